@@ -1,0 +1,33 @@
+# pdserve: `make setup` builds .venv with everything; `make demo` runs the main job; `make test` the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.pdserve-setup
+# The CPU build of torch lies on this machine's disk; pinning it keeps pip from downloading a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast bench clean-models
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pdserve demo
+
+test: setup
+	@bash scripts/run_tests.sh
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(VENV)/bin/pdserve bench engine --json bench-results/engine.json
+
+clean-models:
+	rm -rf .cache/models

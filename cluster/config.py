@@ -1,0 +1,548 @@
+"""The cluster configuration operators write (``cluster.yaml``): pydantic models, YAML loading.
+
+Each field's ``description`` is its documentation (``pdserve config schema`` prints them, and
+``docs/configuration.md`` is written from them); each default is stated once, here. Unknown
+keys are errors. Internal components get plain frozen dataclasses built from these models
+(``PoolSettings.engine_config``, ``ClusterConfig.planner_policy``).
+
+Relative paths in a file are resolved against that file's directory, and with no file against
+the current directory, so every path a Ray worker receives is absolute. Secrets come from the
+file or from the environment (``PDSERVE_API_KEYS``, ``PDSERVE_REDIS_PASSWORD``); they are
+``SecretStr`` so that logging a config never shows them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Hashable, Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+
+from pdserve.cluster.planner import PlannerPolicy
+from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.errors import InvalidRequestError
+
+KIB = 1024
+MIB = 1024 * KIB
+_RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_means_defaults(cls, data: Any) -> Any:
+        """``redis:`` with nothing (or only comments) under it is null in YAML: use the defaults."""
+        if not isinstance(data, dict):
+            return data
+        return {key: {} if value is None and _is_section(cls, key) else value for key, value in data.items()}
+
+
+def _is_section(model: type[BaseModel], name: object) -> bool:
+    info = model.model_fields.get(name) if isinstance(name, str) else None
+    return info is not None and isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+
+
+def _absolute(value: Path | None, info: ValidationInfo) -> Path | None:
+    if value is None:
+        return None
+    path = value.expanduser()
+    if not path.is_absolute():
+        path = Path((info.context or {}).get("base_dir") or Path.cwd()) / path
+    return Path(os.path.normpath(path))
+
+
+def _check_secret(value: SecretStr | None, what: str, forbidden: str = "") -> SecretStr | None:
+    if value is not None:
+        raw = value.get_secret_value()
+        if not raw or any(c.isspace() or c in forbidden for c in raw):
+            raise ValueError(f"{what} must be non-empty, without spaces{' or commas' if forbidden else ''}")
+    return value
+
+
+class ModelSettings(_Settings):
+    path: Path = Field(description="Local Hugging Face model directory (config.json, *.safetensors, "
+                       "tokenizer). Relative paths are resolved against the config file's directory.")
+    served_name: str | None = Field(None, validate_default=True, min_length=1, description=
+                                    "Model name clients send in requests; default: the directory's name.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight and KV-cache dtype.")
+    max_model_len: int | None = Field(None, ge=2, description="Longest sequence (prompt + output) "
+                                      "accepted; default: the checkpoint's max_position_embeddings.")
+
+    _resolve_path = field_validator("path")(_absolute)
+
+    @field_validator("served_name")
+    @classmethod
+    def _default_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        path = info.data.get("path")
+        return path.name if value is None and path is not None else value
+
+
+class EngineSettings(_Settings):
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block (a power of two). "
+                            "Must be the same in both pools: blocks move from prefill to decode as is.")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV-cache blocks per replica; "
+                                      "set this or kv_cache_memory_gb, not both.")
+    kv_cache_memory_gb: float = Field(2.0, gt=0, description="Memory per replica for the KV cache, "
+                                      "in GiB; ignored when num_kv_blocks is set.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one running batch.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens processed in one engine "
+                                        "step (prefill chunks + decode tokens); with chunked prefill off "
+                                        "it must be at least the model length.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts into chunks that share "
+                                         "steps with decoding sequences.")
+    num_threads: int | None = Field(None, ge=1, description="Torch intra-op threads per replica; "
+                                    "default: torch's choice (best set to num_cpus).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs; 'cuda' needs "
+                                           "num_gpus > 0 in the pool.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two (1, 2, 4, ... 256), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineSettings:
+        if {"num_kv_blocks", "kv_cache_memory_gb"} <= self.model_fields_set and self.num_kv_blocks:
+            raise ValueError("num_kv_blocks: set either num_kv_blocks or kv_cache_memory_gb, not both")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) "
+                             "so that every running sequence can decode in one step")
+        return self
+
+
+class PoolSettings(_Settings):
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas the planner keeps.")
+    initial_replicas: int | None = Field(None, ge=0, validate_default=True, description=
+                                         "Replicas started with the cluster; default: min_replicas.")
+    max_replicas: int | None = Field(None, ge=0, validate_default=True, description="Most replicas "
+                                     "the planner may run; default: initial_replicas (a fixed-size pool).")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica (fractions allowed).")
+    accelerator_type: str | None = Field(None, min_length=1, description="Ray accelerator type the "
+                                         "replica must be placed on (e.g. 'H100'); default: any.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per "
+                                        "replica, e.g. {prefill: 1} to place the pool on nodes started "
+                                        "with that resource; default: none, so one machine runs both pools.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings of "
+                                   "each replica.")
+
+    @field_validator("initial_replicas")
+    @classmethod
+    def _initial(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low = info.data.get("min_replicas")
+        if low is None:
+            return value
+        if value is None:
+            return low
+        if value < low:
+            raise ValueError(f"must be >= min_replicas ({low})")
+        return value
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low, initial = info.data.get("min_replicas"), info.data.get("initial_replicas")
+        if low is None or initial is None:
+            return value
+        if value is None:
+            return initial
+        if value < low:
+            raise ValueError(f"must be >= min_replicas ({low})")
+        if value < initial:
+            raise ValueError(f"must be >= initial_replicas ({initial})")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in _RESERVED_RESOURCES:
+                raise ValueError(f"{name!r} is set by num_cpus/num_gpus, not as a custom resource")
+            if amount <= 0:
+                raise ValueError(f"{name!r} must be > 0, got {amount}")
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_for_cuda(self) -> PoolSettings:
+        if self.engine.device == "cuda" and self.num_gpus <= 0:
+            raise ValueError("num_gpus: must be > 0 when engine.device is 'cuda'")
+        return self
+
+    def engine_config(self, model: ModelSettings, mode: EngineMode) -> EngineConfig:
+        """The internal engine config of one replica of this pool."""
+        e = self.engine
+        return EngineConfig(
+            model_dir=str(model.path), dtype=model.dtype, device=e.device, block_size=e.block_size,
+            num_blocks=e.num_kv_blocks, kv_cache_memory_gb=e.kv_cache_memory_gb,
+            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+            max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
+            enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads)
+
+
+class DisaggregationSettings(_Settings):
+    mode: Literal["conditional", "always", "never"] = Field("conditional", description="'conditional': "
+                                                            "short prompts are prefilled on the decode "
+                                                            "worker; 'always': every prompt goes through "
+                                                            "the prefill pool; 'never': decode workers "
+                                                            "prefill everything (colocated baseline).")
+    local_prefill_max_tokens: int = Field(64, ge=0, description="In 'conditional' mode, prompts whose "
+                                          "uncached part is at most this many tokens are prefilled on "
+                                          "the decode worker (as are all prompts when no prefill worker "
+                                          "can start them within the TTFT SLO).")
+
+
+class RouterSettings(_Settings):
+    host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP and gRPC servers bind.")
+    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port; 0 = any free port.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 = any free port.")
+    max_queued_requests: int = Field(1024, ge=1, description="Requests admitted but not yet running "
+                                     "before new ones get HTTP 429 / RESOURCE_EXHAUSTED.")
+    max_request_bytes: int = Field(MIB, ge=KIB, description="Largest request body accepted, in bytes.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted API keys (Bearer "
+                                      "token); empty = no authentication. Keys in the comma-separated "
+                                      "PDSERVE_API_KEYS environment variable are added.")
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain; set with tls_key_file "
+                                       "to serve HTTPS and gRPC over TLS.")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may run end to end "
+                                     "before it fails with DEADLINE_EXCEEDED / HTTP 504.")
+    disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings,
+                                                   description="When to prefill on the prefill pool.")
+
+    _resolve_paths = field_validator("tls_cert_file", "tls_key_file")(_absolute)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            _check_secret(key, "each API key", forbidden=",")  # PDSERVE_API_KEYS is comma-separated
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> RouterSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ValueError(f"{missing}: tls_cert_file and tls_key_file must be set together")
+        if self.http_port and self.http_port == self.grpc_port:
+            raise ValueError(f"grpc_port: must differ from http_port ({self.http_port})")
+        return self
+
+
+class RedisSettings(_Settings):
+    url: str | None = Field(None, description="redis://, rediss:// or unix:// URL of an external "
+                            "Redis; unset = start an embedded server on 127.0.0.1.")
+    password: SecretStr | None = Field(None, description="Redis password (AUTH); the "
+                                       "PDSERVE_REDIS_PASSWORD environment variable overrides it.")
+    data_dir: Path | None = Field(None, description="Embedded server's data directory (append-only "
+                                  "file, survives restarts); unset = a temporary directory.")
+
+    _resolve_path = field_validator("data_dir")(_absolute)
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("password")
+    @classmethod
+    def _password(cls, value: SecretStr | None) -> SecretStr | None:
+        return _check_secret(value, "password")
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> RedisSettings:
+        if self.url is not None and self.data_dir is not None:
+            raise ValueError("data_dir: only applies to the embedded server (remove url or data_dir)")
+        return self
+
+
+class RaySettings(_Settings):
+    address: str | None = Field(None, min_length=1, description="Ray cluster to join: 'auto', "
+                                "'host:port' or 'ray://host:port'; unset = start a local Ray.")
+    node_ip_address: str = Field("127.0.0.1", description="IP of this node when starting a local Ray.")
+    namespace: str = Field("pdserve", min_length=1, description="Ray namespace of pdserve's actors.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs a local Ray advertises; default: detected.")
+    include_dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray.")
+    dashboard_port: int = Field(8265, ge=0, le=65535, description="Port of the local Ray dashboard.")
+
+    @field_validator("node_ip_address")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        ipaddress.ip_address(value)  # ValueError names the bad value
+        return value
+
+
+class SLOSettings(_Settings):
+    ttft_ms: float = Field(2000.0, gt=0, description="Target time to first token, in ms (drives the "
+                           "prefill pool's scaling and local-prefill fallback).")
+    itl_ms: float = Field(100.0, gt=0, description="Target inter-token latency, in ms (drives the "
+                          "decode pool's scaling).")
+
+
+class PlannerSettings(_Settings):
+    enabled: bool = Field(True, description="Scale pools between min_replicas and max_replicas.")
+    interval_s: float = Field(10.0, gt=0, description="Seconds between planner decisions.")
+    scale_up_cooldown_s: float = Field(30.0, ge=0, description="Least seconds between two scale-ups of a pool.")
+    scale_down_cooldown_s: float = Field(120.0, ge=0, description="Least seconds after any scaling "
+                                         "action of a pool before it scales down.")
+    warmup_s: float = Field(30.0, ge=0, description="Seconds after start during which a replica counts "
+                            "as capacity but its metrics are ignored.")
+    scale_up_utilization: float = Field(0.8, gt=0, le=4, description="Scale up when load exceeds this "
+                                        "fraction of target (SLO, KV memory or max_num_seqs).")
+    scale_down_utilization: float = Field(0.4, ge=0, description="Scale down when load is below this "
+                                          "fraction of target; must be below scale_up_utilization.")
+    max_step: int = Field(2, ge=1, description="Most replicas added to a pool by one decision "
+                          "(scale-down always removes one).")
+
+    @model_validator(mode="after")
+    def _band(self) -> PlannerSettings:
+        if self.scale_down_utilization >= self.scale_up_utilization:
+            raise ValueError(f"scale_down_utilization: must be < scale_up_utilization "
+                             f"({self.scale_up_utilization})")
+        return self
+
+
+class ClusterConfig(_Settings):
+    model: ModelSettings = Field(description="The model every worker serves.")
+    prefill: PoolSettings = Field(default_factory=PoolSettings, description="The prefill pool. "
+                                  "min_replicas 0 is allowed: decode workers then prefill locally.")
+    decode: PoolSettings = Field(default_factory=PoolSettings, description="The decode pool "
+                                 "(min_replicas >= 1).")
+    router: RouterSettings = Field(default_factory=RouterSettings, description="Client-facing servers.")
+    redis: RedisSettings = Field(default_factory=RedisSettings, description="Shared cluster state.")
+    ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster to run on.")
+    slo: SLOSettings = Field(default_factory=SLOSettings, description="Latency targets.")
+    planner: PlannerSettings = Field(default_factory=PlannerSettings, description="Autoscaling.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ClusterConfig:
+        if self.decode.min_replicas < 1:
+            raise ValueError("decode.min_replicas: must be >= 1 (decode workers serve every request)")
+        if self.prefill.engine.block_size != self.decode.engine.block_size:
+            raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
+                             f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
+        return self
+
+    def pool(self, role: object) -> PoolSettings:
+        """The settings of the 'prefill' or 'decode' pool (a string or a role enum)."""
+        name = getattr(role, "value", role)
+        if name not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        return self.prefill if name == "prefill" else self.decode
+
+    def planner_policy(self) -> PlannerPolicy:
+        p = self.planner
+        return PlannerPolicy(
+            ttft_slo_ms=self.slo.ttft_ms, itl_slo_ms=self.slo.itl_ms,
+            scale_up_utilization=p.scale_up_utilization, scale_down_utilization=p.scale_down_utilization,
+            scale_up_cooldown_s=p.scale_up_cooldown_s, scale_down_cooldown_s=p.scale_down_cooldown_s,
+            warmup_s=p.warmup_s, max_step=p.max_step)
+
+    def check_paths(self) -> None:
+        """Raise ``ConfigError`` unless the files this config names exist on this machine."""
+        if problems := self.path_problems():
+            raise ConfigError(problems)
+
+    def path_problems(self) -> list[str]:
+        """What is wrong with the files this config names, on this machine ([] = nothing)."""
+        problems = []
+        if not self.model.path.is_dir():
+            problems.append(f"model.path: {self.model.path} is not a directory")
+        elif not (self.model.path / "config.json").is_file():
+            problems.append(f"model.path: {self.model.path} has no config.json (not a Hugging Face model)")
+        for name in ("tls_cert_file", "tls_key_file"):
+            file = getattr(self.router, name)
+            if file is not None and not file.is_file():
+                problems.append(f"router.{name}: {file} is not a file")
+        if self.redis.data_dir is not None and self.redis.data_dir.exists() and not self.redis.data_dir.is_dir():
+            problems.append(f"redis.data_dir: {self.redis.data_dir} is not a directory")
+        return problems
+
+
+# -- loading -------------------------------------------------------------------------------
+
+ENV_API_KEYS = "PDSERVE_API_KEYS"
+ENV_REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
+_PATH_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*): (.+)$", re.DOTALL)
+_SECRET_FIELDS = frozenset({"api_keys", "password"})
+
+
+class ConfigError(InvalidRequestError):
+    """A configuration file or override is invalid; ``problems`` lists each one, located."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Safe YAML loading that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself reports unhashable keys
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_config(path: str | os.PathLike[str], *, check_paths: bool = True,
+                environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Read, validate and complete a YAML config file; raises ``ConfigError``.
+
+    ``check_paths=False`` skips checking that the model directory and TLS files exist here
+    (for a config meant for other machines). ``environ`` defaults to ``os.environ``.
+    """
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{source}: cannot read: {exc.strerror or exc}"]) from exc
+    loader = _StrictLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else str(source)
+        raise ConfigError([f"{where}: invalid YAML: {getattr(exc, 'problem', None) or exc}"]) from exc
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping of sections (model:, prefill:, ...)"])
+    config = _validate(data, str(source), source.resolve().parent, root)
+    return _finish(config, str(source), check_paths, environ)
+
+
+def config_from_model(model_path: str | os.PathLike[str], *, check_paths: bool = True,
+                      environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """The default single-machine config serving ``model_path`` (``pdserve up --model DIR``)."""
+    config = _validate({"model": {"path": str(model_path)}}, "--model", Path.cwd(), None)
+    return _finish(config, "--model", check_paths, environ)
+
+
+def apply_overrides(config: ClusterConfig, overrides: Mapping[str, Any],
+                    source: str = "command line") -> ClusterConfig:
+    """A copy of ``config`` with dotted keys replaced (``{"router.http_port": 8001}``), revalidated.
+
+    Defaults derived from other fields (served_name, initial/max_replicas) are derived again.
+    """
+    data = config.model_dump(exclude_unset=True)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([f"{source}: {dotted}: {part} is not a section"])
+            node = child
+        node[leaf] = value
+    return _validate(data, source, Path.cwd(), None)
+
+
+def apply_env(config: ClusterConfig, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Add API keys from ``PDSERVE_API_KEYS`` and take the Redis password from ``PDSERVE_REDIS_PASSWORD``."""
+    env = os.environ if environ is None else environ
+    overrides: dict[str, Any] = {}
+    keys = [k.strip() for k in env.get(ENV_API_KEYS, "").split(",") if k.strip()]
+    if keys:
+        known = [k.get_secret_value() for k in config.router.api_keys]
+        overrides["router.api_keys"] = known + [k for k in keys if k not in known]
+    if env.get(ENV_REDIS_PASSWORD):
+        overrides["redis.password"] = env[ENV_REDIS_PASSWORD]
+    return apply_overrides(config, overrides, "environment") if overrides else config
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of a config file (``pdserve config schema``)."""
+    return ClusterConfig.model_json_schema(mode="validation")
+
+
+def config_to_yaml(config: ClusterConfig) -> str:
+    """The effective config as YAML, secrets masked (``pdserve config show``)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _finish(config: ClusterConfig, source: str, check_paths: bool,
+            environ: Mapping[str, str] | None) -> ClusterConfig:
+    config = apply_env(config, environ)
+    if check_paths and (problems := config.path_problems()):
+        raise ConfigError([f"{source}: {problem}" for problem in problems])
+    return config
+
+
+def _validate(data: dict[str, Any], source: str, base_dir: Path, root: yaml.Node | None) -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        located = [_describe(err, source, root) for err in exc.errors(include_url=False)]
+        raise ConfigError([text for _, text in sorted(located, key=lambda x: x[0])]) from None
+
+
+def _describe(err: Mapping[str, Any], source: str, root: yaml.Node | None) -> tuple[int, str]:
+    loc, msg = tuple(err["loc"]), str(err["msg"])
+    if err["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        if match := _PATH_PREFIX.match(msg):  # a validator naming the field it is about
+            loc, msg = loc + tuple(match.group(1).split(".")), match.group(2)
+    if err["type"] == "extra_forbidden":
+        msg = _unknown_key(loc)
+    elif err["type"] != "missing" and isinstance(err.get("input"), (str, int, float, bool)) \
+            and not _SECRET_FIELDS.intersection(map(str, loc)):
+        msg = f"{msg} (got {err['input']!r})"
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    line = _line_of(root, loc)
+    where = f"{source}:{line}" if line else source
+    return line or 0, f"{where}: {field}: {msg}" if field else f"{where}: {msg}"
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] | None = ClusterConfig
+    for part in loc[:-1]:
+        info = model.model_fields.get(part) if model and isinstance(part, str) else None
+        candidates = (get_args(info.annotation) or (info.annotation,)) if info else ()
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if model is None:
+        return "unknown key"
+    close = difflib.get_close_matches(str(loc[-1]), model.model_fields, n=1)
+    if close:
+        return f"unknown key (did you mean {close[0]!r}?)"
+    return f"unknown key (expected one of: {', '.join(model.model_fields)})"
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML key or item at ``loc`` (of its deepest present parent if absent)."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            pair = next(((k, v) for k, v in node.value if getattr(k, "value", None) == str(part)), None)
+            if pair is None:
+                break
+            line, node = pair[0].start_mark.line + 1, pair[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line

@@ -1,0 +1,75 @@
+"""Internal engine configuration (frozen dataclasses; user-facing config lives in pdserve.cluster.config)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EngineMode(str, enum.Enum):
+    COLOCATED = "colocated"   # prefill and decode in one engine
+    PREFILL = "prefill"       # prefill-only: stop after the first token, keep blocks for transfer
+    DECODE = "decode"         # decode worker: admits transferred KV, can also prefill locally
+
+
+class SchedulingPolicy(str, enum.Enum):
+    CONTINUOUS = "continuous"  # iteration-level batching (the default)
+    STATIC = "static"          # request-level batches; kept only as a benchmark baseline
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) "
+                "so that any prompt fits in one step"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"            # "float32" | "bfloat16"
+    device: str = "cpu"               # "cpu" | "cuda"
+    block_size: int = 16
+    num_blocks: int | None = None     # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
+    mode: EngineMode = EngineMode.COLOCATED
+    num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,111 @@
+"""Typed errors shared by every layer of pdserve.
+
+Each error type carries one gRPC status name and one HTTP status; the router maps them in
+one place (``pdserve.router.errors``). Library code raises these, never bare ``Exception``.
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base of all pdserve errors."""
+
+    grpc_status: str = "INTERNAL"
+    http_status: int = 500
+    error_type: str = "internal_error"
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """The caller sent something malformed or out of range; the message says what to fix."""
+
+    grpc_status = "INVALID_ARGUMENT"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(PdserveError):
+    """A request named a model this deployment does not serve."""
+
+    grpc_status = "NOT_FOUND"
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class ModelLoadError(PdserveError):
+    """A checkpoint directory is missing files, corrupt, or of an unsupported architecture."""
+
+    grpc_status = "FAILED_PRECONDITION"
+    http_status = 500
+    error_type = "model_load_error"
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture is not one the model runner implements."""
+
+
+class OverloadedError(PdserveError):
+    """Admission refused: a bounded queue is full. Retry after ``retry_after_s``."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OutOfBlocksError(PdserveError):
+    """Not enough free KV blocks to reserve for a request."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+    http_status = 503
+    error_type = "capacity_error"
+
+
+class RequestAbortedError(PdserveError):
+    """The request was cancelled by its client or by an operator."""
+
+    grpc_status = "CANCELLED"
+    http_status = 499
+    error_type = "cancelled"
+
+
+class DeadlineExceededError(PdserveError):
+    """The request's deadline passed before it completed."""
+
+    grpc_status = "DEADLINE_EXCEEDED"
+    http_status = 504
+    error_type = "timeout_error"
+
+
+class WorkerUnavailableError(PdserveError):
+    """No worker that could serve the request is alive."""
+
+    grpc_status = "UNAVAILABLE"
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class KVTransferError(PdserveError):
+    """Moving KV blocks between workers failed (timeout, peer lost, aborted)."""
+
+    grpc_status = "UNAVAILABLE"
+    http_status = 503
+    error_type = "kv_transfer_error"
+
+
+class CompatibilityError(KVTransferError):
+    """Two workers' KV layouts or protocol versions differ; nothing was transferred."""
+
+    grpc_status = "FAILED_PRECONDITION"
+    http_status = 500
+    error_type = "compatibility_error"
+
+
+class AuthenticationError(PdserveError):
+    """Missing or wrong API key."""
+
+    grpc_status = "UNAUTHENTICATED"
+    http_status = 401
+    error_type = "authentication_error"

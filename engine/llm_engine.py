@@ -1,0 +1,332 @@
+"""The engine: one step loop over scheduler, model runner and sampler.
+
+Life of a request in a colocated engine:
+1. ``add_request`` validates it and queues a ``Sequence`` (WAITING).
+2. ``step`` schedules it: its prompt is prefilled chunk by chunk, reusing cached prefix blocks.
+3. The step that computes the last prompt token samples the first output token (TTFT).
+4. Each later step decodes one token for it, batched with every other running sequence.
+5. A stop condition finishes it; its blocks go back to the pool (full blocks stay in the prefix
+   cache); the last ``StepOutput`` carries its finish reason and phase record.
+
+Prefill-only mode (prefill worker) stops at step 3 with reason ``prefilled`` and keeps the blocks
+until ``release`` is called after the KV transfer. Decode mode admits sequences whose prompt KV
+was transferred in (``reserve`` + ``add_prefilled``) and can still prefill locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
+from pdserve.engine.errors import InvalidRequestError, OutOfBlocksError
+from pdserve.engine.model_runner import ForwardItem, ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import FinishReason, PhaseRecord, Priority, Sequence, SequenceStatus
+from pdserve.engine.stopping import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] | None = None
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    phase: PhaseRecord | None = None
+    error: str | None = None
+    # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
+    num_computed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float
+    prefix_hit_rate: float
+    steps: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner or ModelRunner(
+            config.model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_gb=config.kv_cache_memory_gb,
+            num_threads=config.num_threads,
+        )
+        self.spec = self.runner.spec
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens,
+                                           1 if config.enable_chunked_prefill else self.max_model_len),
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.policy,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler(config.seed)
+        # A sequence may not outgrow the whole KV pool: it would preempt itself forever.
+        token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
+        self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit)
+        self.mode = config.mode
+        self._held: dict[str, Sequence] = {}          # prefill-only: finished, blocks kept for transfer
+        self._pending: list[StepOutput] = []          # outputs produced outside step() (aborts, instant stops)
+        self._steps = 0
+        self._generated = 0
+        self._prompt_computed = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Queue a request. Raises ``InvalidRequestError`` for input that can never be served."""
+        self._validate(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            eos_token_ids=frozenset(self.spec.eos_token_ids),
+            prefill_only=self.mode is EngineMode.PREFILL,
+        )
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self.stopper.start(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if self.scheduler.get(request_id) is not None or request_id in self._held:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        if len(prompt) == 0:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but the context length is {self.max_model_len}; "
+                f"shorten it to at most {self.max_model_len - 1} tokens"
+            )
+        vocab = self.spec.vocab_size
+        for tok in prompt:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not (0 <= tok < vocab):
+                raise InvalidRequestError(f"token id {tok!r} is outside the vocabulary [0, {vocab})")
+        need = -(-(len(prompt) + 1) // self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {need} KV blocks but this worker's cache has {self.block_manager.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; its blocks are freed. Returns False if unknown."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.block_manager.free(held)
+            return True
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self.stopper.discard(request_id)
+        seq.finished_time = time.monotonic()
+        self._pending.append(self._final_output(seq, []))
+        return True
+
+    # ------------------------------------------------------------- decode side
+    def reserve(self, num_blocks: int) -> list[int]:
+        """Reserve raw blocks for a prompt's KV that another worker will write (decode mode)."""
+        if num_blocks < 1:
+            raise InvalidRequestError("num_blocks to reserve must be >= 1")
+        if num_blocks > self.block_manager.num_free_blocks:
+            raise OutOfBlocksError(
+                f"need {num_blocks} KV blocks, {self.block_manager.num_free_blocks} free"
+            )
+        return self.block_manager.reserve(num_blocks)
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        block_ids: list[int],
+        priority: Priority = Priority.INTERACTIVE,
+        arrival_time: float | None = None,
+        first_token_time: float | None = None,
+    ) -> Sequence:
+        """Admit a request whose prompt K/V landed in ``block_ids`` and whose first token is known."""
+        self._validate(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            eos_token_ids=frozenset(self.spec.eos_token_ids),
+        )
+        now = time.monotonic()
+        seq.arrival_time = arrival_time if arrival_time is not None else now
+        seq.first_scheduled_time = seq.arrival_time
+        seq.first_token_time = first_token_time if first_token_time is not None else now
+        self.stopper.start(seq)
+        self.block_manager.adopt(seq, block_ids)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.output_token_ids.append(first_token_id)
+        seq.status = SequenceStatus.RUNNING
+        reason = self.stopper.check(seq)
+        if reason is not None:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            seq.finished_time = now
+            self._pending.append(self._final_output(seq, []))
+            return seq
+        self.scheduler.add_prefilled(seq)
+        return seq
+
+    # ------------------------------------------------------------ prefill side
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefill-only request kept for its KV transfer."""
+        seq = self._held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
+    def held(self, request_id: str) -> Sequence | None:
+        return self._held.get(request_id)
+
+    # -------------------------------------------------------------------- step
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[StepOutput]:
+        """Run one iteration: schedule, forward, sample, check stops."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        t0 = time.monotonic()
+        items = [
+            ForwardItem(c.seq.token_ids[c.start : c.start + c.num_tokens], c.start, c.seq.block_table, c.sample)
+            for c in sched.chunks
+        ]
+        logits = self.runner.execute(items)
+        sampling = [c.seq for c in sched.chunks if c.sample]
+        tokens, logprobs = self.sampler.sample(logits, sampling) if sampling else ([], [])
+        now = time.monotonic()
+        self._account_prefill(sched, now - t0)
+        self.scheduler.postprocess(sched, {s.request_id: t for s, t in zip(sampling, tokens)})
+        self._steps += 1
+        outputs.extend(self._collect(sched, sampling, tokens, logprobs, now))
+        return outputs
+
+    def _account_prefill(self, sched: SchedulerOutput, elapsed: float) -> None:
+        total = sched.num_batched_tokens or 1
+        for c in sched.chunks:
+            if c.seq.first_token_time is None:
+                c.seq.prefill_compute_s += elapsed * c.num_tokens / total
+                self._prompt_computed += c.num_tokens
+
+    def _collect(self, sched: SchedulerOutput, sampling: list[Sequence], tokens: list[int],
+                 logprobs: list, now: float) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for seq, tok, lp in zip(sampling, tokens, logprobs):
+            self._generated += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            delta = self.stopper.push(seq, tok)
+            reason = self.stopper.check(seq)
+            if reason is None and seq.prefill_only:
+                reason = FinishReason.PREFILLED
+            out = StepOutput(seq.request_id, [tok], [lp] if lp is not None else None, delta,
+                             num_computed_tokens=seq.num_computed_tokens)
+            if reason is not None:
+                keep = reason is FinishReason.PREFILLED
+                self.scheduler.finish(seq, reason, free_blocks=not keep)
+                seq.finished_time = now
+                if keep:
+                    self._held[seq.request_id] = seq
+                out.text_delta += self.stopper.flush(seq)
+                out.finished = True
+                out.finish_reason = reason.value
+                out.phase = seq.phase_record()
+                out.phase.prefill_s = seq.prefill_compute_s or out.phase.prefill_s
+            outputs.append(out)
+        # Prefill progress for chunks that did not sample (prefill-only workers stream blocks early).
+        for c in sched.chunks:
+            if not c.sample and c.seq.prefill_only:
+                outputs.append(StepOutput(c.seq.request_id, num_computed_tokens=c.seq.num_computed_tokens))
+        return outputs
+
+    def _final_output(self, seq: Sequence, new: list[int]) -> StepOutput:
+        phase = seq.phase_record()
+        return StepOutput(seq.request_id, new, finished=True,
+                          finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                          phase=phase, error=seq.error)
+
+    # ---------------------------------------------------------------- helpers
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_held=len(self._held),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            kv_usage=bm.usage,
+            prefix_hit_rate=bm.hit_rate,
+            steps=self._steps,
+            generated_tokens=self._generated,
+            prompt_tokens_computed=self._prompt_computed,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion (tests, benchmarks); returns generated token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._steps}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in result:
+                    result[out.request_id].extend(out.new_token_ids)
+                if out.finished and out.request_id in self._held:
+                    self.release(out.request_id)
+        return [result[rid] for rid in ids]

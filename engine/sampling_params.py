@@ -1,0 +1,80 @@
+"""Per-request sampling and stopping parameters, validated at the door."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdserve.engine.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``logprobs`` asks for the chosen token's log-probability plus that many top alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs to tuples so the object stays hashable and immutable.
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        for tok in self.stop_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {tok!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters")
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+                raise InvalidRequestError(f"logprobs must be an integer, got {self.logprobs!r}")
+            if not (0 <= self.logprobs <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")

@@ -1,0 +1,268 @@
+"""Continuous-batching scheduler with chunked prefill, two priorities and preemption by recompute.
+
+Each :meth:`Scheduler.schedule` call builds one step's batch within ``max_num_batched_tokens``:
+
+1. running sequences that are decoding get one token each (a new block when their last one is
+   full); when no block is left, the lowest-priority, latest-arrived running sequence not yet
+   scheduled this step is preempted (blocks freed, back to the front of its priority class in the
+   waiting queue, output tokens kept: prompt + outputs are recomputed when it is readmitted);
+2. running sequences still prefilling get their next chunk;
+3. waiting sequences are admitted in (priority, arrival) order while the sequence cap, the token
+   budget and the free blocks allow, and no preemption happened this step (so a victim is not
+   readmitted at once). Without chunked prefill a prompt is admitted only if it fits whole.
+
+Under the STATIC policy (a benchmark baseline) step 3 runs only when nothing is running, and then
+ignores the token budget when admitting, so one batch forms and runs until every member finishes.
+
+The scheduler is pure: the engine runs the chunks, then calls :meth:`Scheduler.postprocess` with
+the sampled tokens and :meth:`Scheduler.finish` for sequences that stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig, SchedulingPolicy
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Compute K/V for positions ``[start, start + num_tokens)`` of ``seq`` this step.
+
+    ``sample`` (fixed when the chunk is built) is True when the chunk ends at the newest token,
+    so the step yields logits from which the next token is sampled.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in sorted(Priority)}
+        self._running: dict[str, Sequence] = {}     # admission order
+        self._seqs: dict[str, Sequence] = {}        # every unfinished sequence, waiting or running
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ queues
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def running(self) -> list[Sequence]:
+        return list(self._running.values())
+
+    def waiting(self) -> list[Sequence]:
+        """Waiting sequences in the order they would be admitted."""
+        return [s for q in self._waiting.values() for s in q]
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (at the back of its priority class). Rejects what could never be scheduled."""
+        self._check_new(seq)
+        if seq.num_tokens > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} has {seq.num_tokens} tokens, over max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} needs {bm.blocks_needed(seq.num_tokens)} KV blocks, "
+                f"the cache has {bm.num_blocks}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._waiting[seq.priority].append(seq)
+        self._seqs[seq.request_id] = seq
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Join a sequence whose prompt K/V was transferred in (adopted blocks) to the running set."""
+        self._check_new(seq)
+        if not seq.block_table or seq.num_computed_tokens != seq.num_tokens - 1:
+            raise ValueError(
+                f"add_prefilled({seq.request_id!r}) needs adopted blocks and num_computed_tokens == "
+                f"num_tokens - 1 (got {seq.num_computed_tokens} of {seq.num_tokens})"
+            )
+        seq.status = SequenceStatus.RUNNING
+        self._running[seq.request_id] = seq
+        self._seqs[seq.request_id] = seq
+
+    def _check_new(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"request_id {seq.request_id!r} is already scheduled")
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        was_running = bool(self._running)
+        order = sorted(self._running.values(), key=_rank)
+
+        # 1) decodes, one token each.
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.in_prefill or seq.request_id not in self._running:
+                continue
+            if not self._make_room_for_decode(seq, scheduled, out):
+                continue  # seq itself was preempted
+            self.block_manager.append_slot(seq)
+            budget -= self._emit(out, seq, 1, scheduled)
+
+        # 2) running sequences still prefilling.
+        for seq in order:
+            if budget == 0:
+                break
+            if not seq.in_prefill or seq.request_id not in self._running:
+                continue
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                continue
+            budget -= self._emit(out, seq, min(remaining, budget), scheduled)
+
+        # 3) admission from the waiting queue.
+        static = self.config.policy is SchedulingPolicy.STATIC
+        if not out.preempted and not (static and was_running):
+            budget = self._admit(out, budget, scheduled, ignore_budget=static)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[str], ignore_budget: bool) -> int:
+        bm = self.block_manager
+        for queue in self._waiting.values():
+            while queue and len(self._running) < self.config.max_num_seqs:
+                if budget == 0 and not ignore_budget:
+                    return budget
+                seq = queue[0]
+                if not bm.can_allocate(seq):
+                    return budget  # strict (priority, arrival) order: nobody jumps the head
+                remaining = seq.num_tokens - bm.cached_prefix_tokens(seq)
+                if remaining > budget and not self.config.enable_chunked_prefill and not ignore_budget:
+                    return budget
+                queue.popleft()
+                bm.allocate(seq)
+                seq.status = SequenceStatus.RUNNING
+                self._running[seq.request_id] = seq
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                n = min(remaining, budget)
+                if n < remaining and not self.config.enable_chunked_prefill:
+                    n = 0  # static baseline: prefilled whole in a later step
+                if n > 0:
+                    budget -= self._emit(out, seq, n, scheduled)
+        return budget
+
+    def _make_room_for_decode(self, seq: Sequence, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Preempt until ``seq`` can take its next slot; False if ``seq`` itself had to go."""
+        while not self.block_manager.can_append(seq):
+            candidates = [s for s in self._running.values() if s.request_id not in scheduled]
+            victim = max(candidates, key=_rank)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _emit(self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[str]) -> int:
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        scheduled.add(seq.request_id)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        return n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free the blocks, requeue ahead of later arrivals of its class."""
+        del self._running[seq.request_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        queue = self._waiting[seq.priority]
+        i = 0
+        while i < len(queue) and queue[i].arrival_time < seq.arrival_time:
+            i += 1
+        queue.insert(i, seq)
+        out.preempted.append(seq)
+        logger.debug("preempted %s (%d tokens, %d times)", seq.request_id, seq.num_tokens, seq.num_preemptions)
+
+    # ------------------------------------------------------------ after a step
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance each scheduled sequence, append its sampled token, and commit full blocks."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.is_finished or self._running.get(seq.request_id) is not seq:
+                continue  # finished or aborted since schedule()
+            if seq.num_computed_tokens != chunk.start:
+                raise ValueError(f"{seq.request_id!r}: chunk starts at {chunk.start}, "
+                                 f"but {seq.num_computed_tokens} tokens are computed")
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                if seq.request_id not in sampled:
+                    raise ValueError(f"no sampled token for {seq.request_id!r}, whose chunk samples")
+                seq.output_token_ids.append(sampled[seq.request_id])
+            self.block_manager.commit(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
+        """Remove ``seq`` wherever it is. With ``free_blocks=False`` its blocks stay held (the
+        prefill-only hand-off to the KV sender) until ``block_manager.free(seq)``."""
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
+            if self._running.pop(seq.request_id, None) is None:
+                queue = self._waiting[seq.priority]
+                for i, queued in enumerate(queue):
+                    if queued is seq:  # identity: Sequence's dataclass __eq__ compares fields
+                        del queue[i]
+                        break
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if free_blocks:
+            self.block_manager.free(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Scheduling order: lower first. The preemption victim is the highest rank."""
+    return (int(seq.priority), seq.arrival_time)

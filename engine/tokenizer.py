@@ -1,0 +1,72 @@
+"""Loading a checkpoint's tokenizer from a local directory, and UTF-8-safe incremental detokenisation."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT = "\ufffd"
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer that ships with a local Hugging Face checkpoint (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ModelLoadError(
+            f"{path}: no tokenizer.json or tokenizer_config.json; the model directory must include its tokenizer"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many types here; re-raise as one actionable error
+        raise ModelLoadError(f"{path}: could not load the tokenizer: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting a UTF-8 character.
+
+    It decodes a short window of recent tokens and emits only text that is complete: when the
+    window's text ends in U+FFFD (half of a multi-byte character), it waits for the next token.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_token_ids[-6:]) if prompt_token_ids else []
+        # _prefix: where the window starts; _read: tokens before it are already emitted.
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add new tokens; return the text they complete (may be empty)."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+            delta = full_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of a stream, emit whatever is left (an incomplete character becomes U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta

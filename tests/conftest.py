@@ -1,0 +1,52 @@
+"""Shared fixtures: models generated once and cached, one Redis and one Ray per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+try:  # the session Redis server fixture (real server, loopback only)
+    from redis_fixture import *  # noqa: F401,F403
+except ModuleNotFoundError as exc:  # pragma: no cover - only while the module is being written
+    if exc.name != "redis_fixture":
+        raise
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from pdserve.engine.testmodel import ensure_model
+
+    return ensure_model("tiny", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_model() -> Path:
+    from pdserve.engine.testmodel import ensure_model
+
+    return ensure_model("tiny", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray per test session, on 127.0.0.1, without the dashboard."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            num_cpus=8,
+            namespace="pdserve-tests",
+            log_to_driver=False,
+            runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}},
+        )
+    yield ray
+    ray.shutdown()

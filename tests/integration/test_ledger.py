@@ -1,0 +1,261 @@
+"""KV handoff ledger against a real Redis: state machine, leases, indexes, restart survival."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import redis
+
+from pdserve.cluster.ledger import (
+    TRANSITIONS,
+    EntryNotFoundError,
+    InvalidTransitionError,
+    KVLedger,
+    LedgerError,
+    LedgerState,
+    Side,
+)
+from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.engine.errors import PdserveError
+
+pytestmark = pytest.mark.slow
+S = LedgerState
+
+# The shortest legal path from a fresh reservation to each state.
+PATH_TO = {
+    S.RESERVED: [],
+    S.TRANSFERRING: [S.TRANSFERRING],
+    S.LANDED: [S.TRANSFERRING, S.LANDED],
+    S.DECODING: [S.TRANSFERRING, S.LANDED, S.DECODING],
+    S.FAILED: [S.FAILED],
+    S.FREED: [S.FREED],
+}
+LEGAL = [(a, b) for a in S for b in sorted(TRANSITIONS[a], key=lambda s: s.value)]
+ILLEGAL = [(a, b) for a in S for b in S if b not in TRANSITIONS[a]]
+
+
+@pytest.fixture
+def ledger(redis_client, redis_namespace) -> KVLedger:
+    return KVLedger(redis_client, redis_namespace)
+
+
+def drive_to(ledger: KVLedger, rid: str, state: LedgerState) -> None:
+    ledger.reserve(rid, "dec-0", [4, 5, 6], lease_s=30)
+    for step in PATH_TO[state]:
+        extra = {}
+        if step is S.TRANSFERRING:
+            extra = {"prefill_worker_id": "pre-0", "prefill_blocks": [1, 2]}
+        ledger.transition(rid, step, **extra)
+
+
+def assert_nothing_leaked(ledger: KVLedger, *workers: str) -> None:
+    assert ledger.active() == []
+    for worker in workers:
+        assert ledger.held_by(worker) == []
+
+
+def test_handoff_lifecycle_records_holders_and_timestamps(ledger: KVLedger) -> None:
+    e = ledger.reserve("r1", "dec-0", [7, 8], lease_s=30)
+    assert (e.state, e.decode_blocks) == (S.RESERVED, (7, 8))
+    assert (e.decode_held, e.prefill_held) == (True, False)
+    assert [x.request_id for x in ledger.held_by("dec-0")] == ["r1"]
+
+    e = ledger.transition("r1", S.TRANSFERRING, prefill_worker_id="pre-0", prefill_blocks=[3, 9])
+    assert (e.prefill_worker_id, e.prefill_blocks, e.prefill_held) == ("pre-0", (3, 9), True)
+    assert [x.request_id for x in ledger.held_by("pre-0")] == ["r1"]
+
+    e = ledger.transition("r1", S.LANDED)  # transfer confirmed: prefill side let go
+    assert e.prefill_held is False and e.decode_held is True
+    assert ledger.held_by("pre-0") == []
+
+    e = ledger.transition("r1", S.DECODING)
+    e = ledger.transition("r1", S.FREED)
+    assert e.held_sides() == ()
+    assert set(e.timestamps) == {S.RESERVED, S.TRANSFERRING, S.LANDED, S.DECODING, S.FREED}
+    stamps = [e.timestamps[s] for s in (S.RESERVED, S.TRANSFERRING, S.LANDED, S.DECODING, S.FREED)]
+    assert stamps == sorted(stamps)
+    assert_nothing_leaked(ledger, "dec-0", "pre-0")
+
+
+@pytest.mark.parametrize(("src", "dst"), LEGAL, ids=lambda s: s.value)
+def test_every_legal_transition(ledger: KVLedger, src: LedgerState, dst: LedgerState) -> None:
+    drive_to(ledger, "r", src)
+    entry = ledger.transition("r", dst, error="boom" if dst is S.FAILED else None)
+    assert entry.state is dst
+    assert ledger.get("r").state is dst
+    if dst is S.FAILED:
+        assert entry.error == "boom"
+    if dst is not S.FREED:
+        ledger.transition("r", S.FAILED if dst is not S.FAILED else S.FREED)
+        if ledger.get("r").state is S.FAILED:
+            ledger.transition("r", S.FREED)
+    assert_nothing_leaked(ledger, "dec-0", "pre-0")
+
+
+@pytest.mark.parametrize(("src", "dst"), ILLEGAL, ids=lambda s: s.value)
+def test_every_illegal_transition_raises_and_changes_nothing(
+    ledger: KVLedger, src: LedgerState, dst: LedgerState
+) -> None:
+    drive_to(ledger, "r", src)
+    before = ledger.get("r")
+    with pytest.raises(InvalidTransitionError) as info:
+        ledger.transition("r", dst)
+    assert isinstance(info.value, PdserveError)
+    assert src.value in str(info.value)
+    assert ledger.get("r") == before
+
+
+def test_missing_duplicate_and_reuse_of_freed_id(ledger: KVLedger) -> None:
+    with pytest.raises(EntryNotFoundError):
+        ledger.transition("nope", S.FREED)
+    assert ledger.get("nope") is None
+    ledger.reserve("r", "dec-0", [1], lease_s=30)
+    with pytest.raises(LedgerError, match="live entry"):
+        ledger.reserve("r", "dec-1", [2], lease_s=30)
+    ledger.transition("r", S.FREED)
+    again = ledger.reserve("r", "dec-1", [2], lease_s=30)  # a FREED entry may be replaced
+    assert (again.decode_worker_id, again.state) == ("dec-1", S.RESERVED)
+    assert set(again.timestamps) == {S.RESERVED}
+    ledger.transition("r", S.FREED)
+    assert_nothing_leaked(ledger, "dec-0", "dec-1")
+
+
+def test_compare_and_set_lets_only_the_expected_state_move(ledger: KVLedger) -> None:
+    ledger.reserve("r", "dec-0", [1], lease_s=30)
+    with pytest.raises(InvalidTransitionError):
+        ledger.transition("r", S.FREED, expect_state=S.FAILED)
+    ledger.transition("r", S.FAILED, expect_state=S.RESERVED)
+    ledger.transition("r", S.FREED, expect_state=S.FAILED)
+    assert_nothing_leaked(ledger, "dec-0")
+
+
+def test_second_prefill_cannot_take_over_held_prefill_blocks(ledger: KVLedger) -> None:
+    drive_to(ledger, "r", S.TRANSFERRING)
+    with pytest.raises(InvalidTransitionError, match="pre-0"):
+        ledger.transition("r", S.FAILED, prefill_worker_id="pre-1", prefill_blocks=[5])
+    assert ledger.get("r").state is S.TRANSFERRING
+    with pytest.raises(ValueError):
+        ledger.transition("r", S.LANDED, prefill_worker_id="pre-1", prefill_blocks=[5])
+
+
+def test_bad_arguments_are_refused(ledger: KVLedger) -> None:
+    for bad in ([-1], [1.5], [True]):
+        with pytest.raises(ValueError):
+            ledger.reserve("r", "dec-0", bad, lease_s=1)
+    with pytest.raises(ValueError):
+        ledger.reserve("r", "dec-0", [1], lease_s=0)
+    with pytest.raises(ValueError):
+        ledger.reserve("", "dec-0", [1], lease_s=1)
+    assert ledger.active() == []
+
+
+def test_short_lease_expires_and_renew_pushes_it_back(ledger: KVLedger) -> None:
+    ledger.reserve("short", "dec-0", [1], lease_s=0.3)
+    ledger.reserve("long", "dec-0", [2], lease_s=30)
+    assert ledger.expired() == []
+    deadline = time.monotonic() + 5
+    while not ledger.expired():
+        assert time.monotonic() < deadline, "0.3 s lease never expired"
+        time.sleep(0.05)
+    assert [e.request_id for e in ledger.expired()] == ["short"]
+    renewed = ledger.renew("short", 30)
+    assert renewed.lease_deadline > time.time() + 20
+    assert ledger.expired() == []
+    assert {e.request_id for e in ledger.expired(now=time.time() + 60)} == {"short", "long"}
+    ledger.transition("short", S.FREED)
+    assert [e.request_id for e in ledger.expired(now=time.time() + 60)] == ["long"]
+    with pytest.raises(InvalidTransitionError):
+        ledger.renew("short", 5)
+
+
+def test_freed_entries_are_kept_with_a_ttl_and_can_be_forgotten(
+    ledger: KVLedger, redis_client
+) -> None:
+    ledger.reserve("r", "dec-0", [1], lease_s=30)
+    with pytest.raises(LedgerError, match="not FREED"):
+        ledger.forget("r")
+    ledger.transition("r", S.FREED)
+    ttl = redis_client.ttl(f"{ledger.namespace}:ledger:req:r")
+    assert 0 < ttl <= ledger.freed_ttl_s
+    assert ledger.forget("r") is True
+    assert ledger.get("r") is None and ledger.forget("r") is False
+
+
+def test_unknown_schema_version_is_refused(ledger: KVLedger, redis_client) -> None:
+    ledger.reserve("r", "dec-0", [1], lease_s=30)
+    redis_client.hset(f"{ledger.namespace}:ledger:req:r", "v", "99")
+    with pytest.raises(LedgerError, match="schema_version '99'"):
+        ledger.get("r")
+
+
+def test_mark_released_updates_the_worker_index(ledger: KVLedger) -> None:
+    drive_to(ledger, "r", S.TRANSFERRING)
+    ledger.transition("r", S.FAILED, error="transfer timeout", lease_s=30)
+    entry = ledger.mark_released("r", Side.PREFILL)
+    assert entry.held_sides() == (Side.DECODE,)
+    assert ledger.held_by("pre-0") == [] and len(ledger.held_by("dec-0")) == 1
+    ledger.transition("r", S.FREED)
+    assert_nothing_leaked(ledger, "dec-0", "pre-0")
+
+
+def test_ledger_survives_a_redis_restart_mid_run(tmp_path) -> None:
+    server = EmbeddedRedis(password="s3cret", data_dir=tmp_path / "redis").start()
+    client = connect(server.url)
+    try:
+        ledger = KVLedger(client, "restart")
+        drive_to(ledger, "r", S.TRANSFERRING)
+        port = server.port
+
+        server.stop()  # graceful: the AOF is flushed
+        restarter = threading.Timer(0.3, server.start)
+        restarter.start()
+        # Issued while the server is down: the client's retries carry it over the restart.
+        t0 = time.monotonic()
+        entry = ledger.transition("r", S.LANDED)
+        assert time.monotonic() - t0 >= 0.2  # it really waited for the server to come back
+        restarter.join(timeout=10)
+        assert server.port == port and server.is_running()
+        assert entry.state is S.LANDED and entry.decode_blocks == (4, 5, 6)
+
+        server.restart()
+        assert ledger.get("r").state is S.LANDED  # read back from the AOF
+        ledger.transition("r", S.DECODING)
+        ledger.transition("r", S.FREED)
+        assert_nothing_leaked(ledger, "dec-0", "pre-0")
+    finally:
+        client.close()
+        server.stop()
+    assert not server.is_running()
+
+
+def test_embedded_server_binds_loopback_requires_its_password_and_cleans_up() -> None:
+    with pytest.raises(ValueError, match="refusing to bind"):
+        EmbeddedRedis(host="0.0.0.0")
+    server = EmbeddedRedis(password="pw").start()
+    data_dir, pid = server.data_dir, server.pid
+    try:
+        assert server.last_start_s is not None and server.last_start_s < 10
+        client = connect(server.url)
+        assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        client.close()
+        anonymous = connect(f"redis://127.0.0.1:{server.port}/0")
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
+    finally:
+        server.stop()
+    assert not data_dir.exists()  # a temporary data dir goes with the server
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_wrong_password_fails_fast_instead_of_retrying(redis_server: EmbeddedRedis) -> None:
+    client = connect(f"redis://:wrong@127.0.0.1:{redis_server.port}/0")
+    t0 = time.monotonic()
+    with pytest.raises(redis.AuthenticationError):
+        client.ping()
+    assert time.monotonic() - t0 < 1.0
+    client.close()
