@@ -163,6 +163,17 @@ class LLMEngine:
         self._pending.append(self._final_output(seq, []))
         return True
 
+    def fail_all(self, message: str) -> list[StepOutput]:
+        """End every request in flight with an error (after an unrecoverable step failure)."""
+        outputs, self._pending = self._pending, []
+        for seq in self.scheduler.running() + self.scheduler.waiting():
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self.stopper.discard(seq.request_id)
+            seq.error = message
+            seq.finished_time = time.monotonic()
+            outputs.append(self._final_output(seq, []))
+        return outputs
+
     # ------------------------------------------------------------- decode side
     def reserve(self, num_blocks: int) -> list[int]:
         """Reserve raw blocks for a prompt's KV that another worker will write (decode mode)."""

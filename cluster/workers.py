@@ -1,0 +1,113 @@
+"""Starting prefill and decode workers as Ray actors (one OS process each) and wiring their
+NIXL agents together. Only this module and the rest of ``cluster/`` touch Ray."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.config import EngineConfig, EngineMode
+
+logger = logging.getLogger(__name__)
+
+ACTOR_PREFIX = {"prefill": "pdserve-prefill-", "decode": "pdserve-decode-"}
+# Threads per actor for concurrent control calls (prefill/reserve/start/drain block a thread each).
+ACTOR_MAX_CONCURRENCY = 256
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    role: str
+    actor: Any                     # ray.actor.ActorHandle
+    metadata: bytes = b""
+    node_id: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _actor_class(role: str) -> type:
+    if role == "prefill":
+        from pdserve.prefill_worker.worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from pdserve.decode_worker.worker import DecodeWorker
+
+        return DecodeWorker
+    raise ValueError(f"unknown worker role {role!r}")
+
+
+def start_worker(
+    role: str,
+    worker_id: str,
+    engine_config: EngineConfig,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    resources: dict[str, float] | None = None,
+    namespace: str | None = None,
+    detached: bool = False,
+    env: dict[str, str] | None = None,
+    transfer_timeout_s: float = 30.0,
+    worker_kwargs: dict[str, Any] | None = None,
+) -> WorkerHandle:
+    """Create the actor (non-blocking); call ``wait_ready`` before routing to it."""
+    import ray
+
+    mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
+    if engine_config.mode is not mode:
+        from dataclasses import replace
+
+        engine_config = replace(engine_config, mode=mode)
+    options: dict[str, Any] = {
+        "name": ACTOR_PREFIX[role] + worker_id,
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "resources": dict(resources or {}),
+        "max_concurrency": ACTOR_MAX_CONCURRENCY,
+        "max_restarts": 0,
+    }
+    if namespace:
+        options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    runtime_env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}}
+    options["runtime_env"] = runtime_env
+    cls = ray.remote(_actor_class(role))
+    actor = cls.options(**options).remote(worker_id, engine_config, transfer_timeout_s=transfer_timeout_s,
+                                          **(worker_kwargs or {}))
+    return WorkerHandle(worker_id, role, actor)
+
+
+def wait_ready(handles: list[WorkerHandle], timeout_s: float = 180.0) -> None:
+    """Wait until every worker answers, then fetch each one's NIXL metadata."""
+    import ray
+
+    metas = ray.get([h.actor.metadata.remote() for h in handles], timeout=timeout_s)
+    for h, md in zip(handles, metas):
+        h.metadata = md
+
+
+def connect_pools(prefill: list[WorkerHandle], decode: list[WorkerHandle], timeout_s: float = 60.0) -> None:
+    """Make every prefill agent and every decode agent know each other (both directions:
+    prefill writes into decode; decode asks prefill to stop on abort)."""
+    import ray
+
+    refs = []
+    for p in prefill:
+        for d in decode:
+            refs.append(p.actor.add_peer.remote(d.metadata))
+            refs.append(d.actor.add_peer.remote(p.metadata))
+    ray.get(refs, timeout=timeout_s)
+
+
+def stop_worker(handle: WorkerHandle, graceful: bool = True, timeout_s: float = 20.0) -> None:
+    import ray
+
+    if graceful:
+        try:
+            ray.get(handle.actor.shutdown.remote(), timeout=timeout_s)
+        except Exception as exc:  # already dead or hung: kill it anyway
+            logger.info("worker %s did not shut down cleanly: %s", handle.worker_id, exc)
+    ray.kill(handle.actor, no_restart=True)

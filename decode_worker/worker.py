@@ -1,0 +1,206 @@
+"""The decode service: reserves blocks for incoming KV, admits requests once their KV landed,
+decodes them with continuous batching, and streams every request's new tokens in one batch
+per step. It can also prefill locally when the router decides not to disaggregate.
+
+Life of one disaggregated request here:
+1. ``reserve``: blocks for the prompt are reserved and a ``KVReceiver`` waits for them
+   (with a deadline); the caller gets the ``TransferParams`` for the prefill worker.
+2. The prefill worker writes the blocks; the receiver sees them land (``poll`` on each tick).
+3. ``start``: with the first token from the prefill worker, the request joins the running
+   batch on the next step after the KV has landed.
+4. Each step's tokens go to an outbox; ``drain`` hands the router all of them at once.
+5. Finish, abort, a failed or timed-out transfer: the blocks are freed (reserved blocks only
+   once no write of that request can still land in them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import InvalidRequestError, KVTransferError
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Priority
+from pdserve.kv_transfer import KVAgent, KVReceiver, RecvState
+from pdserve.kv_transfer.engine_layout import layout_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    request_id: str
+    blocks: list[int]
+    receiver: KVReceiver
+    # Set by ``start``: what to admit once the KV has landed.
+    pending_start: tuple | None = None
+    ending: bool = False  # aborted/failed: waiting until the blocks are reusable
+    # A reservation whose ``start`` never comes (the router died) is dropped after this.
+    expires_at: float = 0.0
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
+                 outbox_limit: int = 1_000_000) -> None:
+        if engine_config.mode is not EngineMode.DECODE:
+            raise ValueError("a decode worker needs an engine in decode mode")
+        self.worker_id = worker_id
+        self.transfer_timeout_s = transfer_timeout_s
+        self.engine = LLMEngine(engine_config)
+        self.layout = layout_of(self.engine)
+        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
+        self._reservations: dict[str, _Reservation] = {}
+        self._outbox: list[StepOutput] = []
+        self._outbox_cv = threading.Condition()
+        self._outbox_limit = outbox_limit
+        self.started_at = time.time()
+        self._loop = EngineLoop(self.engine, self._publish, self._on_tick, name=f"decode-{worker_id}")
+        self._loop.start()
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def add_peer(self, peer_metadata: bytes) -> str:
+        return self._loop.call(lambda _e: self.agent.add_peer(peer_metadata))
+
+    # ------------------------------------------------------------- handoff
+    def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float | None = None) -> bytes:
+        """Reserve blocks for a prompt's KV; returns ``TransferParams`` bytes for the prefill worker.
+        Raises ``OutOfBlocksError`` when the cache cannot hold it now."""
+        if num_prompt_tokens < 1:
+            raise InvalidRequestError("num_prompt_tokens must be >= 1")
+
+        def do(engine: LLMEngine) -> bytes:
+            if request_id in self._reservations or engine.scheduler.get(request_id) is not None:
+                raise InvalidRequestError(f"request {request_id!r} is already on this worker")
+            blocks = engine.reserve(engine.block_manager.blocks_needed(num_prompt_tokens))
+            try:
+                receiver = KVReceiver(self.agent, request_id, blocks,
+                                      timeout_s=timeout_s or self.transfer_timeout_s)
+            except BaseException:
+                engine.release_reserved(blocks)
+                raise
+            self._reservations[request_id] = _Reservation(
+                request_id, blocks, receiver,
+                expires_at=time.monotonic() + 2 * (timeout_s or self.transfer_timeout_s))
+            return receiver.params().to_bytes()
+
+        return self._loop.call(do)
+
+    def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+              priority: Priority = Priority.INTERACTIVE, prefill_phase: dict | None = None) -> None:
+        """Admit a reserved request once its KV has landed (now, or on a later tick)."""
+        def do(_engine: LLMEngine) -> None:
+            res = self._reservations.get(request_id)
+            if res is None or res.ending:
+                raise KVTransferError(f"request {request_id!r} has no live KV reservation on {self.worker_id}")
+            res.pending_start = (prompt_token_ids, first_token_id, params, priority, prefill_phase or {})
+            self._advance(res)
+
+        self._loop.call(do)
+
+    def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: Priority = Priority.INTERACTIVE) -> None:
+        """Prefill and decode here (conditional disaggregation / migration target)."""
+        self._loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority))
+
+    def abort(self, request_id: str) -> bool:
+        def do(engine: LLMEngine) -> bool:
+            res = self._reservations.get(request_id)
+            if res is not None:
+                self._end_reservation(res, "aborted by the router")
+                return True
+            return engine.abort(request_id)
+        return self._loop.call(do)
+
+    # ------------------------------------------------------------ loop hooks
+    def _advance(self, res: _Reservation) -> None:
+        state = res.receiver.poll()
+        if res.ending:
+            if res.receiver.blocks_reusable:
+                self.engine.release_reserved(res.blocks)
+                res.receiver.close()
+                del self._reservations[res.request_id]
+            return
+        if state is RecvState.LANDED and res.pending_start is not None:
+            prompt, first, params, priority, phase = res.pending_start
+            del self._reservations[res.request_id]
+            res.receiver.close()
+            try:
+                self.engine.add_prefilled(res.request_id, prompt, first, params, res.blocks, priority,
+                                          arrival_time=time.monotonic() - float(phase.get("elapsed_s", 0.0)))
+            except Exception as exc:
+                self.engine.release_reserved(res.blocks)
+                self._emit_error(res.request_id, f"could not admit the request: {exc}")
+        elif res.pending_start is None and time.monotonic() > res.expires_at:
+            self._end_reservation(res, "reservation expired: no start call arrived")
+        elif state.terminal and state is not RecvState.LANDED:
+            reason = res.receiver.reason or state.value
+            self._end_reservation(res, reason)
+            if res.pending_start is not None:
+                self._emit_error(res.request_id, f"KV transfer {state.value}: {reason}")
+
+    def _end_reservation(self, res: _Reservation, reason: str) -> None:
+        res.ending = True
+        res.receiver.abort(reason)
+        self._advance(res)
+
+    def _on_tick(self) -> bool:
+        for res in list(self._reservations.values()):
+            self._advance(res)
+        return bool(self._reservations)
+
+    def _emit_error(self, request_id: str, message: str) -> None:
+        self._publish([StepOutput(request_id, finished=True, finish_reason="error", error=message)])
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        with self._outbox_cv:
+            self._outbox.extend(outputs)
+            if len(self._outbox) > self._outbox_limit:
+                logger.error("outbox over %d entries: is a router draining it?", self._outbox_limit)
+            self._outbox_cv.notify_all()
+
+    # -------------------------------------------------------------- output
+    def drain(self, timeout_s: float = 0.05) -> list[StepOutput]:
+        """Every output since the last call (all requests of all steps), waiting up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._outbox_cv:
+            while not self._outbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._outbox_cv.wait(left)
+            out, self._outbox = self._outbox, []
+        return out
+
+    def stats(self) -> dict[str, object]:
+        s = self.engine.stats()
+        return {"worker_id": self.worker_id, "role": "decode", "num_running": s.num_running,
+                "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
+                "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
+                "reservations": len(self._reservations), "generated_tokens": s.generated_tokens,
+                "started_at": self.started_at}
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Raw bytes of KV blocks (diagnostics and tests: compare what landed with what was sent)."""
+        return self._loop.call(lambda e: e.runner.read_blocks(block_ids))
+
+    def reserved_blocks(self, request_id: str) -> list[int]:
+        res = self._reservations.get(request_id)
+        return list(res.blocks) if res is not None else []
+
+    def blocks_in_use(self) -> int:
+        return self._loop.call(lambda e: e.block_manager.num_used_blocks)
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        self.agent.close()

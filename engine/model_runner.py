@@ -1,0 +1,121 @@
+"""The model runner: the only engine component that touches torch.
+
+``execute(items)`` runs one engine step: the tokens of every item are flattened into one
+``[T, hidden]`` activation (so each weight is read once per step, whatever the batch), K/V of the
+new tokens are written into the paged cache, attention reads each item's context through its block
+table, and logits come back only for items that sample (float32, in item order).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention import PagedKVCache
+from pdserve.engine.layers import DecoderLayer, RotaryTables
+from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ForwardItem", "ModelRunner", "ModelSpec", "load_model_spec"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """Compute positions ``[start_pos, start_pos + len(token_ids))`` of one sequence, writing their
+    K/V through ``block_table``; earlier positions are read from the cache."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+
+
+class ModelRunner:
+    """Loads a checkpoint and owns the KV cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
+                 num_threads: int | None = None) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.spec = spec = load_model_spec(model_dir)
+        self.dtype, self.device, self.block_size = _DTYPES[dtype], torch.device(device), block_size
+        elem = torch.finfo(self.dtype).bits // 8
+        self.kv_block_bytes = spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
+        if num_blocks is None:
+            if kv_cache_memory_gb <= 0:
+                raise ValueError(f"kv_cache_memory_gb must be > 0, got {kv_cache_memory_gb}")
+            num_blocks = int(kv_cache_memory_gb * (1 << 30)) // self.kv_block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} block(s) of {self.kv_block_bytes} bytes; "
+                             "raise kv_cache_memory_gb or num_blocks")
+        self.num_blocks = num_blocks
+        self.weights = load_weights(model_dir, spec, dtype, device)
+        self.layers = [DecoderLayer(w, spec) for w in self.weights.layers]
+        self.rope = RotaryTables(spec, spec.max_position_embeddings, self.dtype, device)
+        # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
+        self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
+                                    spec.head_dim, dtype=self.dtype, device=self.device)
+        self._cache = PagedKVCache(self.kv_cache, spec.num_heads)
+        logger.info("model %s loaded: %d layers, %s, %d KV blocks of %d bytes", spec.architecture,
+                    spec.num_layers, dtype, num_blocks, self.kv_block_bytes)
+
+    @torch.inference_mode()
+    def execute(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[number of items with sample=True, vocab]``."""
+        if not items:
+            return torch.empty(0, self.spec.vocab_size)
+        order = self._check_and_order(items)
+        decodes, prefills, token_ids, positions = [], [], [], []
+        last_row: dict[int, int] = {}
+        for i in order:
+            it = items[i]
+            n = len(it.token_ids)
+            token_ids += it.token_ids
+            positions += range(it.start_pos, it.start_pos + n)
+            last_row[i] = len(token_ids) - 1
+            if n == 1:
+                decodes.append((it.start_pos, it.block_table))
+            else:
+                prefills.append((it.start_pos, n, it.block_table))
+        pos = torch.tensor(positions, dtype=torch.int64)
+        plan = self._cache.plan(decodes, prefills, pos)
+        pos_dev = pos.to(self.device)
+        cos, sin = self.rope.lookup(pos_dev)
+        x = F.embedding(torch.tensor(token_ids, device=self.device), self.weights.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, cos, sin, plan, i)
+        rows = [last_row[i] for i, it in enumerate(items) if it.sample]
+        if not rows:
+            return torch.empty(0, self.spec.vocab_size)
+        if rows != list(range(x.shape[0])):
+            x = x[torch.tensor(rows, device=self.device)]
+        x = F.rms_norm(x, (self.spec.hidden_size,), self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    def _check_and_order(self, items: list[ForwardItem]) -> list[int]:
+        """Validate items; return their indices, one-token (decode) items first."""
+        limit = self.rope.max_positions
+        for it in items:
+            n = len(it.token_ids)
+            end = it.start_pos + n
+            if n == 0 or it.start_pos < 0:
+                raise ValueError(f"ForwardItem needs >= 1 token and start_pos >= 0, got {n} tokens at {it.start_pos}")
+            if end > limit:
+                raise ValueError(f"positions up to {end} exceed the model's context of {limit}")
+            if len(it.block_table) * self.block_size < end:
+                raise ValueError(f"block table of {len(it.block_table)} blocks cannot hold {end} positions "
+                                 f"(block_size {self.block_size})")
+        return ([i for i, it in enumerate(items) if len(it.token_ids) == 1]
+                + [i for i, it in enumerate(items) if len(it.token_ids) > 1])

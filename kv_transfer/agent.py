@@ -1,0 +1,275 @@
+"""KVAgent: one NIXL agent (UCX backend) owning a worker's whole KV cache tensor.
+
+The agent registers the KV tensor once, publishes :meth:`KVAgent.metadata`, loads peers'
+metadata (refusing incompatible layouts), posts block writes as coalesced descriptors, and
+routes incoming notifications to the sender or receiver of the request they name: one NIXL
+agent's notification queue holds every request's messages, so :meth:`pump` drains it and
+files each message in a per-request mailbox.
+
+Progress: by default no NIXL progress thread is started (it busy-polls a whole core, which a
+2-core host cannot spare); transfers then advance whenever this process calls into the agent
+(``pump``, ``xfer_state``), so the owners poll their senders/receivers regularly.
+One lock serialises every NIXL call, so the agent may be used from several threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.errors import CompatibilityError, KVTransferError
+from pdserve.kv_transfer.layout import BlockRun, KVLayout
+from pdserve.kv_transfer.wire import Notif, PeerInfo, decode_metadata, encode_metadata
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+Mailbox = deque  # deque[tuple[str, Notif]]: (peer agent name, message)
+
+
+@dataclass(frozen=True, slots=True)
+class KVAgentConfig:
+    """NIXL agent options. ``progress_thread`` trades a busy core for progress without polling."""
+
+    progress_thread: bool = False
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass(frozen=True, slots=True)
+class PostedWrite:
+    """A write handed to NIXL: its handle plus what it moves."""
+
+    handle: Any
+    descriptors: int
+    nbytes: int
+
+
+class KVAgent:
+    """Owns one NIXL agent and the registration of one KV cache tensor."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout,
+                 config: KVAgentConfig | None = None) -> None:
+        _check_tensor(kv_cache, layout)
+        from nixl._api import nixl_agent, nixl_agent_config  # heavy; lazily
+
+        config = config or KVAgentConfig()
+        self.name = name
+        self.layout = layout
+        self._kv_cache = kv_cache
+        self._lock = threading.RLock()
+        started = time.perf_counter()
+        self._nixl: Any = nixl_agent(name, nixl_agent_config(
+            enable_prog_thread=config.progress_thread, num_threads=config.num_threads,
+            backends=["UCX"]))
+        if "UCX" not in self._nixl.backends:
+            raise KVTransferError("NIXL UCX backend failed to start (see UCX logs)")
+        self._reg_descs = self._nixl.register_memory(kv_cache)
+        self.startup_seconds = time.perf_counter() - started
+        self._base_addr = kv_cache.data_ptr()
+        self._peers: dict[str, PeerInfo] = {}
+        self._mailboxes: dict[tuple[bool, str], Mailbox] = {}
+        self._open_handles: set[int] = set()
+        self.notifs_dropped = 0
+        logger.info("KV agent %s up in %.3fs: %d blocks x %d bytes registered", name,
+                    self.startup_seconds, layout.num_blocks, layout.block_bytes)
+
+    # ---- peers -------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """NIXL metadata plus our layout and KV address, for peers' :meth:`add_peer`."""
+        info = PeerInfo(self.name, self.layout, self._base_addr, self.layout.total_bytes)
+        with self._lock:
+            return encode_metadata(info, self._live().get_agent_metadata())
+
+    def add_peer(self, peer_metadata: bytes) -> str:
+        """Load a peer's metadata; CompatibilityError (naming each difference) if layouts differ."""
+        info, nixl_md = decode_metadata(peer_metadata)
+        diffs = self.layout.differences(info.layout)
+        if diffs:
+            raise CompatibilityError(
+                f"KV agent {info.name} is incompatible with {self.name}: " + "; ".join(diffs))
+        with self._lock:
+            if info.name in self._peers:
+                self.remove_peer(info.name)
+            loaded = self._live().add_remote_agent(nixl_md)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != info.name:
+                self._live().remove_remote_agent(name)
+                raise KVTransferError(f"metadata names agent {info.name} but NIXL loaded {name}")
+            self._peers[name] = info
+        logger.info("KV agent %s added peer %s (%d blocks)", self.name, name,
+                    info.layout.num_blocks)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer and disconnect from it; its in-flight writes then fail."""
+        with self._lock:
+            if self._peers.pop(name, None) is not None:
+                self._live().remove_remote_agent(name)
+
+    def peer(self, name: str) -> PeerInfo:
+        info = self._peers.get(name)
+        if info is None:
+            raise KVTransferError(f"KV agent {self.name} has no peer named {name!r}")
+        return info
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    # ---- writes ------------------------------------------------------------------------
+    def post_write(self, peer: str, runs: list[BlockRun], notif: Notif) -> PostedWrite:
+        """Start one NIXL WRITE of ``runs`` (one descriptor each) into ``peer``; non-blocking.
+
+        ``notif`` is delivered to the peer after all of this write's bytes have landed.
+        """
+        import numpy as np
+
+        info = self.peer(peer)
+        size = self.layout.block_bytes
+        local = np.array([(self._base_addr + r.src_start * size, r.length * size, 0)
+                          for r in runs], dtype=np.uint64)
+        remote = np.array([(info.base_addr + r.dst_start * size, r.length * size, info.dev_id)
+                           for r in runs], dtype=np.uint64)
+        with self._lock:
+            nixl = self._live()
+            handle = nixl.initialize_xfer(
+                "WRITE", nixl.get_xfer_descs(local, "DRAM"), nixl.get_xfer_descs(remote, "DRAM"),
+                peer, notif.to_bytes())
+            self._open_handles.add(id(handle))
+            status = nixl.transfer(handle)
+        if status == "ERR":
+            self.release_xfer(handle)
+            raise KVTransferError(f"NIXL refused to post a write to {peer}")
+        return PostedWrite(handle, len(runs), sum(r.length for r in runs) * size)
+
+    def xfer_state(self, handle: Any) -> str:
+        """"DONE", "PROC" or "ERR" for a posted write (advances progress)."""
+        with self._lock:
+            return self._live().check_xfer_state(handle)
+
+    def release_xfer(self, handle: Any) -> bool:
+        """Release (cancelling if still in flight); False if NIXL could not release it yet."""
+        with self._lock:
+            try:
+                self._live().release_xfer_handle(handle)
+            except Exception as exc:  # NIXL raises its own binding error types
+                logger.warning("KV agent %s could not release a transfer yet: %s", self.name, exc)
+                return False
+            self._open_handles.discard(id(handle))
+            return True
+
+    @property
+    def open_handles(self) -> int:
+        """Transfer handles posted and not yet released (0 when nothing leaked)."""
+        return len(self._open_handles)
+
+    # ---- notifications -----------------------------------------------------------------
+    def send_notif(self, peer: str, notif: Notif) -> bool:
+        """Send a standalone notification; False (logged) if the peer is unknown or gone."""
+        with self._lock:
+            if peer not in self._peers:
+                logger.info("KV agent %s cannot notify %s (not a peer): %s", self.name, peer,
+                            notif.kind.value)
+                return False
+            try:
+                self._live().send_notif(peer, notif.to_bytes())
+            except Exception as exc:  # NIXL binding error: the peer is unreachable
+                logger.warning("KV agent %s failed to notify %s: %s", self.name, peer, exc)
+                return False
+            return True
+
+    def subscribe(self, request_id: str, *, to_sender: bool) -> Mailbox:
+        """Open the mailbox of the sender (or receiver) of ``request_id`` in this process."""
+        key = (to_sender, request_id)
+        with self._lock:
+            if key in self._mailboxes:
+                role = "sender" if to_sender else "receiver"
+                raise KVTransferError(f"request {request_id} already has a {role} here")
+            box: Mailbox = deque()
+            self._mailboxes[key] = box
+            return box
+
+    def unsubscribe(self, request_id: str, *, to_sender: bool) -> None:
+        with self._lock:
+            self._mailboxes.pop((to_sender, request_id), None)
+
+    @property
+    def subscriptions(self) -> int:
+        """Open mailboxes (0 when every sender/receiver was closed)."""
+        return len(self._mailboxes)
+
+    def pump(self) -> int:
+        """Drain NIXL's notifications into mailboxes; returns how many were delivered."""
+        with self._lock:
+            if self._nixl is None:
+                return 0
+            incoming = self._nixl.get_new_notifs()
+            delivered = 0
+            for peer, messages in incoming.items():
+                peer_name = peer.decode() if isinstance(peer, bytes) else str(peer)
+                for raw in messages:
+                    notif = Notif.from_bytes(raw)
+                    if notif is None:
+                        self.notifs_dropped += 1
+                        continue
+                    box = self._mailboxes.get((notif.kind.to_sender, notif.request_id))
+                    if box is None:
+                        logger.debug("KV agent %s: no mailbox for %s of %s", self.name,
+                                     notif.kind.value, notif.request_id)
+                        self.notifs_dropped += 1
+                        continue
+                    box.append((peer_name, notif))
+                    delivered += 1
+            return delivered
+
+    # ---- life cycle --------------------------------------------------------------------
+    def close(self) -> None:
+        """Disconnect peers, deregister the KV tensor and destroy the NIXL agent; idempotent."""
+        with self._lock:
+            if self._nixl is None:
+                return
+            if self._open_handles or self._mailboxes:
+                logger.warning("KV agent %s closing with %d open transfers, %d mailboxes",
+                               self.name, len(self._open_handles), len(self._mailboxes))
+            for name in list(self._peers):
+                self.remove_peer(name)
+            self._nixl.deregister_memory(self._reg_descs)
+            self._nixl = None
+            self._mailboxes.clear()
+        logger.info("KV agent %s closed", self.name)
+
+    @property
+    def closed(self) -> bool:
+        return self._nixl is None
+
+    def __enter__(self) -> KVAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _live(self) -> Any:
+        if self._nixl is None:
+            raise KVTransferError(f"KV agent {self.name} is closed")
+        return self._nixl
+
+
+def _check_tensor(kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    if kv_cache.device.type != "cpu":
+        raise ValueError(f"KV cache must be a CPU tensor, got {kv_cache.device}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("KV cache tensor must be contiguous")
+    if tuple(kv_cache.shape) != layout.shape:
+        raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != layout {layout.shape}")
+    dtype = str(kv_cache.dtype).removeprefix("torch.")
+    if dtype != layout.dtype:
+        raise ValueError(f"KV cache dtype {dtype} != layout {layout.dtype}")

@@ -1,0 +1,240 @@
+"""The prefill service: an engine in prefill-only mode that pushes each prompt's KV blocks into
+blocks a decode worker reserved, chunk by chunk, so the transfer hides behind the compute.
+
+Life of one request here:
+1. ``prefill`` receives the prompt and the decode side's ``TransferParams`` (its reserved
+   blocks); a ``KVSender`` is created (compatibility is checked before any byte moves).
+2. The engine prefills the prompt with others, chunk by chunk; blocks served by the prefix
+   cache are final at once.
+3. After every step the blocks that became full are written to the decode worker at once
+   (overlap), while later chunks are still computing.
+4. The step that finishes the prompt samples the first token; the last (partial) block is
+   written and the sender finishes: the DONE notification follows the last write.
+5. When the sender is DONE, the engine releases the request's blocks (full ones stay in the
+   prefix cache) and the caller gets a ``PrefillResult``. Any failure (transfer error,
+   timeout, abort) releases the blocks too and returns an explicit error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Priority
+from pdserve.kv_transfer import KVAgent, KVSender, SendState, TransferParams
+from pdserve.kv_transfer.engine_layout import layout_of
+from pdserve.prefill_worker.result import PrefillResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    request_id: str
+    sender: KVSender
+    dst_blocks: tuple[int, ...]
+    future: Future
+    deadline: float
+    sent_blocks: int = 0
+    num_prompt_tokens: int = 0
+    finishing: bool = False
+    result: PrefillResult | None = None
+    first_token_at: float = 0.0
+    src_blocks: list[int] = field(default_factory=list)
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
+                 overlap_transfer: bool = True) -> None:
+        """``overlap_transfer=False`` sends every block only after the whole prompt is computed
+        (the baseline the transfer benchmark compares against)."""
+        if engine_config.mode is not EngineMode.PREFILL:
+            raise ValueError("a prefill worker needs an engine in prefill mode")
+        self.worker_id = worker_id
+        self.transfer_timeout_s = transfer_timeout_s
+        self.overlap_transfer = overlap_transfer
+        self.engine = LLMEngine(engine_config)
+        self.layout = layout_of(self.engine)
+        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
+        self._jobs: dict[str, _Job] = {}
+        self._events: list[tuple[str, int]] = []
+        self._events_lock = threading.Lock()
+        self.started_at = time.time()
+        self._loop = EngineLoop(self.engine, self._on_outputs, self._on_tick, name=f"prefill-{worker_id}")
+        self._loop.start()
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def add_peer(self, peer_metadata: bytes) -> str:
+        return self._loop.call(lambda _e: self.agent.add_peer(peer_metadata))
+
+    # --------------------------------------------------------------- requests
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               transfer_params: bytes, priority: Priority = Priority.INTERACTIVE) -> Future:
+        """Start prefilling; the future resolves to a ``PrefillResult`` (never raises for a
+        request-level failure: those come back as ``finish_reason="error"``)."""
+        tp = TransferParams.from_bytes(transfer_params)
+        fut: Future = Future()
+
+        def start(engine: LLMEngine) -> None:
+            sender = KVSender(self.agent, tp)  # checks compatibility before anything moves
+            try:
+                engine.add_request(request_id, prompt_token_ids, params, priority)
+            except BaseException:
+                sender.close()
+                raise
+            self._jobs[request_id] = _Job(request_id, sender, tp.dst_blocks, fut,
+                                          time.monotonic() + self.transfer_timeout_s,
+                                          num_prompt_tokens=len(prompt_token_ids))
+
+        started = self._loop.submit(start)
+        started.add_done_callback(lambda f: f.exception() and not fut.done() and fut.set_exception(f.exception()))
+        return fut
+
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                transfer_params: bytes, priority: Priority = Priority.INTERACTIVE,
+                timeout_s: float | None = None) -> PrefillResult:
+        """Blocking form of ``submit`` (Ray runs it on one of the actor's threads)."""
+        return self.submit(request_id, prompt_token_ids, params, transfer_params, priority).result(
+            timeout=timeout_s or self.transfer_timeout_s + 60)
+
+    def abort(self, request_id: str) -> bool:
+        def do(engine: LLMEngine) -> bool:
+            job = self._jobs.get(request_id)
+            if job is not None:
+                job.sender.abort("aborted by the router")
+                self._fail(job, "abort", "request aborted")
+            return engine.abort(request_id) or job is not None
+        return self._loop.call(do)
+
+    # ------------------------------------------------------------ loop hooks
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            if not out.finished:
+                if self.overlap_transfer:
+                    self._send_ready_blocks(job, out.num_computed_tokens // self.engine.config.block_size)
+                continue
+            phase = out.phase
+            result = PrefillResult(out.request_id, self.worker_id, out.finish_reason or "error",
+                                   first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
+                                   first_token_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+                                   error=out.error)
+            if phase is not None:
+                result.prompt_tokens = phase.prompt_tokens
+                result.cached_prompt_tokens = phase.cached_prompt_tokens
+                result.queue_s = phase.queue_s
+                result.prefill_s = phase.prefill_s
+            job.result = result
+            job.first_token_at = time.perf_counter()
+            if out.finish_reason == "prefilled":
+                total = -(-job.num_prompt_tokens // self.engine.config.block_size)
+                if self._send_ready_blocks(job, total):
+                    job.sender.finish()
+                    job.finishing = True
+            else:
+                # Ended at its first token (stop/length) or failed: nothing to decode remotely.
+                job.sender.abort(f"request ended at prefill: {out.finish_reason}")
+                self._resolve(job)
+
+    def _send_ready_blocks(self, job: _Job, upto: int) -> bool:
+        seq = self.engine.held(job.request_id) or self.engine.scheduler.get(job.request_id)
+        if seq is None or upto <= job.sent_blocks:
+            return seq is not None
+        src = seq.block_table[job.sent_blocks:upto]
+        job.src_blocks.extend(src)
+        dst = list(job.dst_blocks[job.sent_blocks:upto])
+        try:
+            job.sender.write(src, dst)
+        except Exception as exc:
+            logger.warning("request %s: KV write failed: %s", job.request_id, exc)
+            self.engine.abort(job.request_id)
+            self._fail(job, "error", f"KV transfer failed: {exc}")
+            return False
+        job.sent_blocks = upto
+        return True
+
+    def _on_tick(self) -> bool:
+        now = time.monotonic()
+        for job in list(self._jobs.values()):
+            state = job.sender.poll()
+            if state is SendState.DONE and job.finishing:
+                st = job.sender.stats
+                assert job.result is not None
+                job.result.kv_bytes = st.nbytes
+                job.result.kv_blocks = st.blocks
+                job.result.kv_descriptors = st.descriptors
+                job.result.kv_transfer_s = st.seconds or 0.0
+                job.result.kv_exposed_s = max(0.0, (st.done_at or 0.0) - job.first_token_at)
+                job.result.src_blocks = list(job.src_blocks)
+                self._resolve(job)
+            elif state in (SendState.FAILED, SendState.ABORTED):
+                self.engine.abort(job.request_id)
+                self._fail(job, "error", f"KV transfer {state.value}: {job.sender.reason}")
+            elif now > job.deadline:
+                job.sender.abort("prefill transfer timed out")
+                self.engine.abort(job.request_id)
+                self._fail(job, "error", f"KV transfer timed out after {self.transfer_timeout_s:.0f} s")
+        self._collect_events()
+        return bool(self._jobs)
+
+    def _resolve(self, job: _Job) -> None:
+        self._jobs.pop(job.request_id, None)
+        self.engine.release(job.request_id)
+        job.sender.close()
+        if not job.future.done():
+            job.future.set_result(job.result)
+
+    def _fail(self, job: _Job, reason: str, message: str) -> None:
+        job.result = PrefillResult(job.request_id, self.worker_id, reason, error=message)
+        self._resolve(job)
+
+    def _collect_events(self) -> None:
+        events = self.engine.block_manager.drain_events()
+        if events:
+            with self._events_lock:
+                self._events.extend((e.kind.value, e.block_hash) for e in events)
+
+    # ------------------------------------------------------------- status
+    def drain_kv_events(self) -> list[tuple[str, int]]:
+        """KV events since the last call: ("stored"|"removed", chain hash), for prefix-aware routing."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, object]:
+        s = self.engine.stats()
+        return {"worker_id": self.worker_id, "role": "prefill", "num_running": s.num_running,
+                "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
+                "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate, "in_flight": len(self._jobs),
+                "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
+                "started_at": self.started_at}
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Raw bytes of KV blocks (diagnostics and tests)."""
+        return self._loop.call(lambda e: e.runner.read_blocks(block_ids))
+
+    def blocks_in_use(self) -> int:
+        """KV blocks referenced by a request (0 when idle: nothing leaked)."""
+        return self._loop.call(lambda e: e.block_manager.num_used_blocks)
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        for job in list(self._jobs.values()):
+            job.sender.abort("prefill worker shutting down")
+            self._fail(job, "error", "prefill worker shut down")
+        self.agent.close()

@@ -1,0 +1,430 @@
+"""The KubeRay manifests under k8s/, rendered and validated offline (no cluster, no kubectl).
+
+Each overlay is rendered with k8s/render.py (the kustomize features k8s/ uses), then:
+built-in kinds against strict Kubernetes schemas (kubernetes-validate), KubeRay kinds against
+the strict v1.7.0 CRDs in ../shared/k8s-schemas, the KubeRay operator's own admission rules,
+and pdserve's wiring: Services reach the ports that exist, the cluster config agrees with the
+worker groups, every referenced Secret/ConfigMap/PVC exists or is documented as the
+operator's to create.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+SCHEMA_DIR = (REPO / ".." / "shared" / "k8s-schemas").resolve()
+OVERLAYS = ("cpu-dev", "gpu")
+CLUSTER_CONFIG_KEYS = {"model", "prefill", "decode", "router", "redis", "ray", "slo", "planner"}
+POOL_KEYS = {"min_replicas", "initial_replicas", "max_replicas", "num_cpus", "num_gpus", "resources", "engine"}
+ENGINE_KEYS = {"block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens",
+               "enable_prefix_caching", "device"}
+#: Secrets the gpu overlay expects the operator to create (k8s/README.md, "Secrets").
+OPERATOR_SECRETS = {"pdserve-redis", "pdserve-api-keys"}
+
+sys.path.insert(0, str(K8S))
+import kuberay_rules  # noqa: E402
+import render  # noqa: E402
+import validate  # noqa: E402
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {name: render.render(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    if not (SCHEMA_DIR / "kuberay").is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {SCHEMA_DIR}/kuberay (../shared/k8s-schemas)")
+    return validate.load_crd_schemas(SCHEMA_DIR)
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def groups(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    spec = one(objs, "RayCluster")["spec"]
+    return {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+
+
+def cluster_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(one(objs, "ConfigMap", "pdserve-config")["data"]["cluster.yaml"])
+
+
+def pod_containers(template: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = template["spec"]
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+def cpu_quantity(value: str | int | float) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def memory_quantity(value: str | int) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value))
+    assert match, value
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+def pod_templates(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    templates = validate.raycluster_pod_templates(one(objs, "RayCluster"))
+    templates += [(o["metadata"]["name"], o["spec"]["template"]) for o in objs if o["kind"] == "StatefulSet"]
+    return templates
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_the_whole_deployment(rendered, overlay):
+    objs = rendered[overlay]
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    expected = {("RayCluster", "pdserve"), ("StatefulSet", "pdserve-redis"), ("Service", "pdserve-redis"),
+                ("Service", "pdserve-http"), ("Service", "pdserve-grpc"), ("Service", "pdserve-dashboard"),
+                ("Service", "pdserve-metrics"), ("ConfigMap", "pdserve-config"),
+                ("ConfigMap", "pdserve-redis-config"), ("PersistentVolumeClaim", "pdserve-models"),
+                ("Namespace", "pdserve")}
+    assert expected <= kinds
+    assert all(o["metadata"].get("namespace") == "pdserve" for o in objs if o["kind"] != "Namespace")
+    assert (("PodMonitor", "pdserve-ray") in kinds) == (overlay == "gpu")  # cpu-dev drops it
+    images = {c["image"] for _, t in pod_templates(objs) for c in pod_containers(t)}
+    assert "pdserve" not in images and all(":" in i for i in images)  # every image rewritten and tagged
+
+
+def test_base_renders_with_podmonitor_and_no_secrets():
+    objs = render.render(K8S / "base")
+    assert one(objs, "PodMonitor", "pdserve-ray")
+    assert not [o for o in objs if o["kind"] == "Secret"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: cannot compare renderers")
+def test_renderer_agrees_with_kubectl_kustomize(rendered, overlay):
+    result = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=60, check=True)
+    reference = {render.object_key(o): o for o in yaml.safe_load_all(result.stdout) if o}
+    assert {render.object_key(o): o for o in rendered[overlay]} == reference
+
+
+def test_renderer_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
+    with pytest.raises(ValueError, match="namePrefix"):
+        render.render(tmp_path)
+
+
+def test_renderer_json_patch_test_op_guards_order(tmp_path):
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\ndata: {k: v}\n")
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [cm.yaml]\npatches:\n- target: {kind: ConfigMap, name: a}\n"
+        "  patch: '[{op: test, path: /data/k, value: other}]'\n")
+    with pytest.raises(ValueError, match="test failed"):
+        render.render(tmp_path)
+
+
+# -- schemas ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_manifest_is_valid(rendered, crd_schemas, overlay):
+    errors = [e for obj in rendered[overlay] for e in validate.manifest_errors(obj, crd_schemas)]
+    assert errors == []
+
+
+@pytest.mark.parametrize("path", sorted((K8S / "tools").glob("*.yaml")), ids=lambda p: p.name)
+def test_tools_manifests_are_valid(path):
+    for obj in render.load_yaml_documents(path):
+        assert validate.manifest_errors(obj, None) == []
+
+
+def test_misspelt_kuberay_field_fails(rendered, crd_schemas):
+    cluster = copy.deepcopy(one(rendered["gpu"], "RayCluster"))
+    group = cluster["spec"]["workerGroupSpecs"][0]
+    group["rayStartParam"] = group.pop("rayStartParams")
+    errors = validate.manifest_errors(cluster, crd_schemas)
+    assert any("rayStartParam" in e for e in errors)
+
+
+def test_misspelt_field_deep_in_a_raycluster_pod_template_fails(rendered, crd_schemas):
+    cluster = copy.deepcopy(one(rendered["gpu"], "RayCluster"))
+    container = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    container["imagePullPolcy"] = container.pop("imagePullPolicy")
+    assert any("imagePullPolcy" in e for e in validate.crd_errors(cluster, crd_schemas))
+
+
+def test_misspelt_builtin_field_fails(rendered):
+    service = copy.deepcopy(one(rendered["cpu-dev"], "Service", "pdserve-http"))
+    port = service["spec"]["ports"][0]
+    port["targetPrt"] = port.pop("targetPort")
+    errors = validate.manifest_errors(service, None)
+    assert errors and all("targetPrt" in e for e in errors)
+
+
+def test_strict_schema_leaves_open_maps_and_preserved_fields_open():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "raw": {"type": "object", "properties": {}, "x-kubernetes-preserve-unknown-fields": True}}}
+    strict = validate.strict_schema(schema)
+    assert strict["additionalProperties"] is False and strict["properties"]["a"]["additionalProperties"] is False
+    assert strict["properties"]["labels"]["additionalProperties"] == {"type": "string"}
+    assert "additionalProperties" not in strict["properties"]["raw"]
+    assert "additionalProperties" not in schema  # the input is not modified
+
+
+def test_podmonitor_structure(rendered):
+    monitor = one(rendered["gpu"], "PodMonitor")
+    assert validate.pod_monitor_errors(monitor) == []
+    cluster = one(rendered["gpu"], "RayCluster")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    head_ports = {p["name"] for c in pod_containers(head) for p in c.get("ports", [])}
+    worker_ports = [{p["name"] for c in g["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                    for g in cluster["spec"]["workerGroupSpecs"]]
+    endpoint_ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert endpoint_ports <= head_ports
+    assert all("metrics" in ports for ports in worker_ports)  # every pod is scraped
+    broken = copy.deepcopy(monitor)
+    broken["spec"]["podMetricsEndpoints"][0]["prot"] = broken["spec"]["podMetricsEndpoints"][0].pop("port")
+    assert validate.pod_monitor_errors(broken)
+
+
+# -- KubeRay semantics -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_raycluster_passes_kuberay_admission_rules(rendered, overlay):
+    assert kuberay_rules.raycluster_errors(one(rendered[overlay], "RayCluster")) == []
+
+
+def test_kuberay_rules_catch_resources_set_twice_and_bad_bounds(rendered):
+    cluster = copy.deepcopy(one(rendered["cpu-dev"], "RayCluster"))
+    prefill = cluster["spec"]["workerGroupSpecs"][0]
+    prefill["rayStartParams"]["num-cpus"] = "2"
+    prefill["minReplicas"] = 3
+    cluster["spec"]["headGroupSpec"]["template"]["spec"]["restartPolicy"] = "Always"
+    errors = kuberay_rules.raycluster_errors(cluster)
+    assert any("both in rayStartParams and resources" in e for e in errors)
+    assert any("minReplicas 3 > maxReplicas" in e for e in errors)
+    assert any("restartPolicy Always" in e for e in errors)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_worker_groups_expose_the_pool_resources(rendered, overlay):
+    by_name = groups(rendered[overlay])
+    assert set(by_name) == {"prefill", "decode"}
+    for name, group in by_name.items():
+        assert group["resources"] == {name: "1"}
+        assert group["rayStartParams"] == {}  # Ray CPU/GPU follow the container limits
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_autoscaling_and_gcs_fault_tolerance(rendered, overlay):
+    objs = rendered[overlay]
+    spec = one(objs, "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"]["version"] == "v2"
+    ft = spec["gcsFaultToleranceOptions"]
+    host, _, port = ft["redisAddress"].partition(":")
+    redis_service = one(objs, "Service", host)
+    assert int(port) in {p["port"] for p in redis_service["spec"]["ports"]}
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-redis", "key": "password"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pdserve_sidecar_joins_the_head(rendered, overlay):
+    head = one(rendered[overlay], "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    assert head["containers"][0]["name"] == "ray-head"  # KubeRay's Ray container comes first
+    sidecar = next(c for c in head["initContainers"] if c["name"] == "pdserve")
+    assert sidecar["restartPolicy"] == "Always" and "startupProbe" not in sidecar
+    assert "pdserve up -c /etc/pdserve/cluster.yaml --address auto" in sidecar["args"][0]
+    shared = {m["mountPath"]: m["name"] for m in head["containers"][0]["volumeMounts"]}
+    mine = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    assert shared["/tmp/ray"] == mine["/tmp/ray"] == "ray-logs"  # the name KubeRay gives it
+    assert mine["/etc/pdserve"] == "pdserve-config"
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sidecar["env"]}
+    assert env["PDSERVE_API_KEYS"]["name"] == "pdserve-api-keys"
+    assert env["PDSERVE_REDIS_PASSWORD"]["name"] == "pdserve-redis"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_head_shared_memory_holds_the_object_store(rendered, overlay):
+    head = one(rendered[overlay], "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    shm = next(v for v in head["volumes"] if v["name"] == "shared-mem")["emptyDir"]
+    limit = head["containers"][0]["resources"]["limits"]["memory"]
+    assert shm["medium"] == "Memory"
+    assert memory_quantity(shm["sizeLimit"]) >= 0.3 * memory_quantity(limit)  # Ray's default object store
+
+
+# -- wiring ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_select_pods_and_ports_that_exist(rendered, overlay):
+    objs = rendered[overlay]
+    cluster = one(objs, "RayCluster")
+    pods = [({"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head" if n == "head" else "worker",
+              **t["metadata"].get("labels", {})}, t) for n, t in validate.raycluster_pod_templates(cluster)]
+    pods += [(o["spec"]["template"]["metadata"]["labels"], o["spec"]["template"]) for o in objs if o["kind"] == "StatefulSet"]
+    for service in (o for o in objs if o["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        selected = [t for labels, t in pods if selector.items() <= labels.items()]
+        assert selected, f"Service {service['metadata']['name']} selects no pod"
+        for template in selected:
+            ports = {p["containerPort"] for c in pod_containers(template) for p in c.get("ports", [])}
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in ports, (service["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_references_resolve(rendered, overlay):
+    objs = rendered[overlay]
+    present = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    wanted: set[tuple[str, str]] = set()
+    for _, template in pod_templates(objs):
+        for volume in template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                wanted.add(("ConfigMap", volume["configMap"]["name"]))
+            if "persistentVolumeClaim" in volume:
+                wanted.add(("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]))
+        for container in pod_containers(template):
+            for env in container.get("env", []):
+                if "secretKeyRef" in env.get("valueFrom", {}):
+                    wanted.add(("Secret", env["valueFrom"]["secretKeyRef"]["name"]))
+    missing = wanted - present
+    expected_missing = set() if overlay == "cpu-dev" else {("Secret", s) for s in OPERATOR_SECRETS}
+    assert missing == expected_missing
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_models_are_mounted_read_only(rendered, overlay):
+    for name, template in validate.raycluster_pod_templates(one(rendered[overlay], "RayCluster")):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "pdserve-models", "readOnly": True}
+        mounts = [m for c in pod_containers(template) for m in c.get("volumeMounts", []) if m["name"] == "models"]
+        assert mounts and all(m["mountPath"] == "/models" and m.get("readOnly") for m in mounts), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_requests_and_limits(rendered, overlay):
+    for name, template in pod_templates(rendered[overlay]):
+        for container in pod_containers(template):
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
+            assert cpu_quantity(resources["requests"]["cpu"]) <= cpu_quantity(resources["limits"]["cpu"]), name
+
+
+def test_redis_is_durable(rendered):
+    objs = rendered["cpu-dev"]
+    conf = one(objs, "ConfigMap", "pdserve-redis-config")["data"]["redis.conf"]
+    assert re.search(r"^appendonly yes$", conf, re.M) and re.search(r"^dir /data$", conf, re.M)
+    redis = one(objs, "StatefulSet", "pdserve-redis")
+    claim = redis["spec"]["volumeClaimTemplates"][0]
+    mounts = {m["mountPath"]: m["name"] for m in redis["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/data"] == claim["metadata"]["name"]
+    assert redis["spec"]["serviceName"] == "pdserve-redis-headless"
+    assert one(objs, "Service", "pdserve-redis-headless")["spec"]["clusterIP"] == "None"
+
+
+def test_gpu_overlay_places_pools_on_their_gpu_nodes(rendered):
+    by_name = groups(rendered["gpu"])
+    classes = {}
+    for name, group in by_name.items():
+        spec = group["template"]["spec"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        classes[name] = spec["nodeSelector"]["pdserve.io/gpu-class"]
+        assert group["maxReplicas"] >= 8
+    assert classes == {"prefill": "compute", "decode": "bandwidth"}
+    head = one(rendered["gpu"], "RayCluster")["spec"]["headGroupSpec"]["template"]
+    assert "nvidia.com/gpu" not in yaml.safe_dump(head)
+
+
+def test_cpu_dev_overlay_is_small_and_gpu_free(rendered):
+    objs = rendered["cpu-dev"]
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(objs)
+    for group in groups(objs).values():
+        assert group["replicas"] == group["minReplicas"] == 1
+        assert cpu_quantity(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]) <= 2
+
+
+# -- the pdserve cluster config --------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_config_has_the_expected_shape(rendered, overlay):
+    config = cluster_config(rendered[overlay])
+    assert set(config) == CLUSTER_CONFIG_KEYS
+    for pool in ("prefill", "decode"):
+        assert POOL_KEYS <= set(config[pool]) and ENGINE_KEYS <= set(config[pool]["engine"])
+        assert config[pool]["resources"] == {pool: 1}
+    assert config["model"]["path"].startswith("/models/")
+    assert config["router"]["host"] == "0.0.0.0"
+    assert config["ray"]["address"] == "auto"
+    assert config["redis"]["password"] is None and config["router"]["api_keys"] == []  # secrets come from env
+    device, dtype = ("cuda", "bfloat16") if overlay == "gpu" else ("cpu", "float32")
+    assert {config[p]["engine"]["device"] for p in ("prefill", "decode")} == {device}
+    assert config["model"]["dtype"] == dtype
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_config_fits_the_worker_groups(rendered, overlay):
+    objs = rendered[overlay]
+    config = cluster_config(objs)
+    for name, group in groups(objs).items():
+        pool = config[name]
+        assert group["minReplicas"] == pool["min_replicas"]
+        assert group["replicas"] == pool["initial_replicas"]
+        assert group["maxReplicas"] >= pool["max_replicas"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert pool["num_cpus"] <= math.ceil(cpu_quantity(limits["cpu"]))  # KubeRay: Ray CPUs = CPU limit
+        assert pool["num_gpus"] <= int(limits.get("nvidia.com/gpu", 0))
+        for resource, amount in pool["resources"].items():
+            assert amount <= float(group["resources"][resource])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_ports_match_the_services(rendered, overlay):
+    objs = rendered[overlay]
+    router = cluster_config(objs)["router"]
+    assert one(objs, "Service", "pdserve-http")["spec"]["ports"][0]["targetPort"] == router["http_port"]
+    assert one(objs, "Service", "pdserve-grpc")["spec"]["ports"][0]["targetPort"] == router["grpc_port"]
+    redis_url = cluster_config(objs)["redis"]["url"]
+    assert redis_url.startswith("redis://pdserve-redis:6379/")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_config_loads_with_pdserve(rendered, overlay, tmp_path):
+    config_module = pytest.importorskip("pdserve.cluster.config", reason="pdserve.cluster.config not importable")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(one(rendered[overlay], "ConfigMap", "pdserve-config")["data"]["cluster.yaml"])
+    config = config_module.load_config(path, check_paths=False,
+                                       environ={"PDSERVE_API_KEYS": "k1,k2", "PDSERVE_REDIS_PASSWORD": "pw"})
+    assert config.router.http_port == 8000 and len(config.router.api_keys) == 2
+    assert config.redis.password.get_secret_value() == "pw"
+
+
+# -- image -----------------------------------------------------------------------------------
+
+def test_dockerfile_builds_pdserve_on_python_slim():
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, re.M)
+    assert "download.pytorch.org/whl/${TORCH_VARIANT}" in text
+    assert re.search(r"^RUN pip install \.", text, re.M)
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "tests/"} <= ignored
+    assert not {"README.md", "pyproject.toml"} & ignored  # `pip install .` needs both
