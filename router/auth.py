@@ -1,0 +1,65 @@
+"""API keys: ``Authorization: Bearer <key>`` on HTTP and as gRPC metadata.
+
+Keys are compared in constant time (``hmac.compare_digest``) against every configured key, so
+the time taken says nothing about which key, or how much of one, matched. No keys configured
+means authentication is off.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable
+
+from pdserve.engine.errors import AuthenticationError
+
+ENV_VAR = "PDSERVE_API_KEYS"  # comma-separated keys
+
+
+class ApiKeyAuth:
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        cleaned = [k.strip() for k in keys if k and k.strip()]
+        self._keys = [k.encode("utf-8") for k in cleaned]
+
+    @classmethod
+    def from_env(cls, var: str = ENV_VAR) -> ApiKeyAuth:
+        return cls(os.environ.get(var, "").split(","))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise ``AuthenticationError`` unless the header value carries a configured key."""
+        if not self._keys:
+            return
+        if not authorization:
+            raise AuthenticationError("missing API key: send the header 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationError("malformed Authorization header: expected 'Bearer <key>'")
+        given = token.strip().encode("utf-8")
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise AuthenticationError("invalid API key")
+
+
+def server_ssl_context(cert_file: str, key_file: str):  # -> ssl.SSLContext
+    """A TLS server context (TLS 1.2+) for the HTTP API from PEM certificate and key files."""
+    import ssl
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+def grpc_server_credentials(cert_file: str, key_file: str):  # -> grpc.ServerCredentials
+    """TLS credentials for the gRPC API from PEM certificate and key files."""
+    from pathlib import Path
+
+    import grpc
+
+    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])

@@ -1,0 +1,276 @@
+"""The disaggregated backend: each request is prefilled on a prefill worker, its KV pushed into
+blocks a decode worker reserved, and decoded there; failures are retried or migrated.
+
+One attempt of one request (``{request_id}#{n}``):
+1. Route: a decode worker (free blocks, load) and a prefill worker (longest cached prefix vs
+   queued tokens), or local prefill on the decode worker (short uncached part, no prefill pool).
+2. ``reserve`` on the decode worker -> ledger RESERVED; ``prefill`` on the prefill worker ->
+   ledger TRANSFERRING; the prefill result -> ledger LANDED; ``start`` -> ledger DECODING.
+3. Tokens arrive through the decode worker's output pump; the final one -> ledger FREED.
+Failures: a prefill worker lost or failing -> a new attempt elsewhere; a decode worker lost
+before the first token -> a new attempt; lost mid-stream -> migration: the prompt plus the
+tokens already sent are prefilled again elsewhere and the stream goes on with no duplicate and
+no gap. Only when no worker can serve it does the client get an explicit error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from pdserve.cluster.ledger import KVLedger, LedgerState
+from pdserve.engine.block_manager import chain_hashes
+from pdserve.engine.errors import (
+    DeadlineExceededError,
+    OutOfBlocksError,
+    PdserveError,
+    WorkerUnavailableError,
+)
+from pdserve.kv_transfer import TransferParams
+from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
+from pdserve.router.policy import RoutingDecision, RoutingPolicy
+from pdserve.router.worker_pool import LOST, WorkerLost, WorkerPool, is_actor_death
+
+logger = logging.getLogger(__name__)
+
+
+class _AttemptFailed(Exception):
+    """This attempt failed in a way another attempt may fix (the worker is excluded next time)."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class DisaggBackend:
+    def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
+                 ledger: KVLedger | None = None, max_attempts: int = 4, lease_s: float = 120.0,
+                 reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0) -> None:
+        self._info = info
+        self.pool = pool
+        self.policy = policy or RoutingPolicy()
+        self.ledger = ledger
+        self.max_attempts = max_attempts
+        self.lease_s = lease_s
+        self.reserve_wait_s = reserve_wait_s
+        self.call_timeout_s = call_timeout_s
+        self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
+        self.migrations = 0
+        self.retries = 0
+
+    # ------------------------------------------------------------ Backend API
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def health(self) -> bool:
+        return any(v.routable for v in self.pool.views("decode"))
+
+    async def abort(self, request_id: str) -> None:
+        for attempt, (d, p) in list(self._active.items()):
+            if attempt.split("#", 1)[0] == request_id:
+                self._abort_remote(attempt, d, p)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
+        started = time.monotonic()
+        emitted: list[int] = []
+        excluded: set[str] = set()
+        acc: dict[str, object] = {"attempts": 0, "migrations": 0}
+        first_token_at: float | None = None
+        for attempt_no in range(1, self.max_attempts + 1):
+            acc["attempts"] = attempt_no
+            prompt = req.prompt_token_ids + emitted
+            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
+            attempt = f"{req.request_id}#{attempt_no}"
+            try:
+                decision = await self._route(prompt, excluded)
+                async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
+                    if isinstance(item, TokenDelta):
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                        emitted.extend(item.token_ids)
+                        yield item
+                    else:
+                        yield self._finish(item, req, emitted, started, first_token_at, acc)
+                        return
+            except (_AttemptFailed, WorkerLost) as exc:
+                excluded.add(exc.worker_id)
+                if emitted:
+                    self.migrations += 1
+                    acc["migrations"] = int(acc["migrations"]) + 1
+                    logger.warning("request %s: migrating after %d tokens: %s", req.request_id, len(emitted), exc)
+                else:
+                    self.retries += 1
+                    logger.warning("request %s: retrying: %s", req.request_id, exc)
+                continue
+            except PdserveError as exc:
+                yield self._finish(Finished("error", {}, exc), req, emitted, started, first_token_at, acc)
+                return
+        err = WorkerUnavailableError(
+            f"request {req.request_id}: no worker could serve it after {self.max_attempts} attempts")
+        yield self._finish(Finished("error", {}, err), req, emitted, started, first_token_at, acc)
+
+    # -------------------------------------------------------------- attempts
+    async def _route(self, prompt: list[int], excluded: set[str]) -> RoutingDecision:
+        hashes = chain_hashes(prompt, self.policy.block_size)
+        decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
+                                      self.pool.views("decode"), frozenset(excluded))
+        if decision is None:
+            raise WorkerUnavailableError("no decode worker is alive to serve this request")
+        return decision
+
+    async def _call(self, worker_id: str, ref_fn, timeout_s: float | None = None):
+        """Await one Ray call; a dead worker becomes ``WorkerLost``."""
+        try:
+            return await asyncio.wait_for(ref_fn(self.pool.actor(worker_id)), timeout_s or self.call_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise _AttemptFailed(worker_id, f"worker {worker_id} did not answer in time") from exc
+        except Exception as exc:
+            if is_actor_death(exc):
+                self.pool.mark_dead(worker_id, str(exc).splitlines()[0])
+                raise WorkerLost(worker_id, "died during a call") from exc
+            raise
+
+    async def _reserve(self, attempt: str, d: str, num_tokens: int, deadline: float | None) -> bytes:
+        wait_until = time.monotonic() + self.reserve_wait_s
+        delay = 0.01
+        while True:
+            try:
+                return await self._call(d, lambda a: a.reserve.remote(attempt, num_tokens))
+            except OutOfBlocksError:
+                now = time.monotonic()
+                if now > wait_until or (deadline is not None and now > deadline):
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    async def _run_attempt(self, attempt: str, decision: RoutingDecision, prompt: list[int], params,
+                           req: GenerateRequest, acc: dict) -> AsyncIterator[TokenDelta | Finished]:
+        d, p = decision.decode_worker, decision.prefill_worker
+        self._active[attempt] = (d, p)
+        queue = self.pool.open_stream(attempt, d)
+        finished = False
+        d_view = self.pool.members[d].view
+        d_view.inflight_requests += 1
+        try:
+            acc["decode_worker"], acc["prefill_worker"] = d, p or d
+            if p is None:
+                await self._ledger("reserve", attempt, d, [])
+                await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority))
+                await self._ledger(LedgerState.DECODING, attempt)
+            else:
+                first = await self._handoff(attempt, d, p, prompt, params, req, acc)
+                if first is not None:
+                    yield first
+                if acc.get("ended_at_prefill"):
+                    finished = True
+                    await self._ledger(LedgerState.FREED, attempt)
+                    yield Finished(str(acc.pop("ended_at_prefill")), {})
+                    return
+            while True:
+                timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
+                try:
+                    out = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceededError(f"request {req.request_id}: deadline passed") from None
+                if out is LOST:
+                    raise WorkerLost(d, "decode worker lost mid-stream")
+                if out.new_token_ids:
+                    yield TokenDelta(list(out.new_token_ids), out.new_logprobs)
+                if out.finished:
+                    finished = True
+                    await self._ledger(LedgerState.FREED, attempt)
+                    if out.finish_reason == "error":
+                        raise _AttemptFailed(d, out.error or "decode failed")
+                    acc["decode_phase"] = out.phase.to_dict() if out.phase else {}
+                    yield Finished(out.finish_reason or "stop", {})
+                    return
+        finally:
+            d_view.inflight_requests -= 1
+            self.pool.close_stream(attempt)
+            self._active.pop(attempt, None)
+            if not finished:
+                self._abort_remote(attempt, d, p)
+                # The reaper confirms both sides released (and moves it to FREED) once this short
+                # lease passes; the workers' own timeouts free the blocks even without Redis.
+                await self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0)
+
+    async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
+                       req: GenerateRequest, acc: dict) -> TokenDelta | None:
+        """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
+        tp = await self._reserve(attempt, d, len(prompt), req.deadline)
+        await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
+        p_view = self.pool.members[p].view
+        p_view.inflight_tokens += len(prompt)
+        try:
+            await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
+            res = await self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority))
+        finally:
+            p_view.inflight_tokens -= len(prompt)
+        if res.finish_reason in ("error", "abort"):
+            raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}")
+        acc.update(queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes,
+                   kv_transfer_s=res.kv_transfer_s, kv_exposed_s=res.kv_exposed_s,
+                   kv_descriptors=res.kv_descriptors, cached_prompt_tokens=res.cached_prompt_tokens)
+        first = TokenDelta([res.first_token_id],
+                           [res.first_token_logprobs] if res.first_token_logprobs is not None else None)
+        if res.finish_reason != "prefilled":
+            # Ended at its first token (EOS / max_tokens 1): nothing to decode.
+            self._abort_remote(attempt, d, None)
+            acc["ended_at_prefill"] = res.finish_reason
+            return first
+        await self._ledger(LedgerState.LANDED, attempt)
+        await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority))
+        await self._ledger(LedgerState.DECODING, attempt)
+        return first
+
+    def _abort_remote(self, attempt: str, d: str, p: str | None) -> None:
+        """Fire-and-forget aborts (safe in ``finally`` during cancellation)."""
+        for wid in (d, p):
+            if wid is None:
+                continue
+            member = self.pool.members.get(wid)
+            if member is not None and member.view.alive:
+                member.actor.abort.remote(attempt)
+
+    # --------------------------------------------------------------- helpers
+    async def _ledger(self, op, attempt: str, *args, **kwargs) -> None:
+        """Record a ledger step; a Redis outage must not fail the request (the workers' own
+        timeouts still free their blocks), so errors are logged."""
+        if self.ledger is None:
+            return
+        try:
+            if op == "reserve":
+                await asyncio.to_thread(self.ledger.reserve, attempt, args[0], args[1], self.lease_s)
+            else:
+                await asyncio.to_thread(self.ledger.transition, attempt, op, **kwargs)
+        except Exception as exc:
+            logger.warning("ledger %s for %s failed: %s", op, attempt, exc)
+
+    def _finish(self, fin: Finished, req: GenerateRequest, emitted: list[int], started: float,
+                first_token_at: float | None, acc: dict) -> Finished:
+        now = time.monotonic()
+        decode = acc.get("decode_phase") or {}
+        phase = {
+            "queue_s": acc.get("queue_s", decode.get("queue_s", 0.0)),
+            "prompt_tokens": len(req.prompt_token_ids),
+            "cached_prompt_tokens": acc.get("cached_prompt_tokens", decode.get("cached_prompt_tokens", 0)),
+            "prefill_s": acc.get("prefill_s", decode.get("prefill_s", 0.0)),
+            "ttft_s": None if first_token_at is None else first_token_at - started,
+            "output_tokens": len(emitted),
+            "decode_s": 0.0 if first_token_at is None else now - first_token_at,
+            "total_s": now - started,
+            "finish_reason": fin.finish_reason,
+            "kv_bytes": acc.get("kv_bytes", 0),
+            "kv_transfer_s": acc.get("kv_transfer_s", 0.0),
+            "kv_exposed_s": acc.get("kv_exposed_s", 0.0),
+            "prefill_worker": acc.get("prefill_worker", ""),
+            "decode_worker": acc.get("decode_worker", ""),
+            "attempts": acc.get("attempts", 1),
+            "migrations": acc.get("migrations", 0),
+        }
+        if len(emitted) > 1 and phase["decode_s"]:
+            phase["decode_tokens_per_s"] = (len(emitted) - 1) / phase["decode_s"]
+        return Finished(fin.finish_reason, complete_phase(phase), fin.error)

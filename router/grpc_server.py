@@ -1,0 +1,187 @@
+"""The gRPC API: ``pdserve.v1.Generation`` on a grpc.aio server, plus health and reflection.
+
+A client deadline becomes the request's deadline; a client cancel (or a lost connection)
+cancels the handler, which aborts the backend request. Errors leave as the status code that
+``router.errors`` assigns; an overloaded server adds ``retry-after-ms`` trailing metadata.
+The standard ``grpc.health.v1.Health`` service follows the backend's health, polled every
+``health_poll_s``; it and reflection need no API key, so probes and tools work without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.engine.sequence import Priority
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import errors
+from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.serving import Final, Serving
+from pdserve.router.validation import ParsedRequest, check_request_id, parse_generate_fields
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_PRIORITY = {pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE, pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
+             pb.PRIORITY_BATCH: Priority.BATCH}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "error": pb.FINISH_REASON_ERROR}
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
+
+
+def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
+    s = request.sampling
+    fields: dict = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
+    if s.stop:
+        fields["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        fields["stop_token_ids"] = list(s.stop_token_ids)
+    fields["ignore_eos"] = s.ignore_eos
+    which = request.WhichOneof("prompt")
+    return parse_generate_fields(
+        request.model,
+        request.text if which == "text" else None,
+        list(request.token_ids.ids) if which == "token_ids" else None,
+        fields,
+        _PRIORITY.get(request.priority, Priority.INTERACTIVE),
+    )
+
+
+def _phase_message(phase: dict) -> pb.PhaseRecord:
+    msg = pb.PhaseRecord()
+    for f in pb.PhaseRecord.DESCRIPTOR.fields:
+        value = phase.get(f.name)
+        if value is None:
+            continue
+        setattr(msg, f.name, type(getattr(msg, f.name))(value))
+    return msg
+
+
+def _logprob_messages(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                      ) -> list[pb.TokenLogprob]:
+    if not logprobs:
+        return []
+    out = []
+    for tok, lp in zip(token_ids, logprobs):
+        top = [pb.TopLogprob(token_id=t, logprob=v, token=tokenizer.decode([t]))
+               for t, v in sorted(lp.items(), key=lambda kv: -kv[1])]
+        out.append(pb.TokenLogprob(token_id=tok, logprob=lp.get(tok, 0.0), top=top))
+    return out
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, serving: Serving, auth: ApiKeyAuth | None = None) -> None:
+        self._serving = serving
+        self._auth = auth or ApiKeyAuth()
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._auth.enabled:
+            return
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        self._auth.check(md.get("authorization"))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        context.set_trailing_metadata(errors.grpc_trailing_metadata(exc))
+        err = errors.as_pdserve_error(exc)
+        await context.abort(errors.grpc_status_code(err), str(err) or type(err).__name__)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            self._check_auth(context)
+            rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
+            prepared = await self._serving.prepare(parsed_from_proto(request), rid, default_max_tokens=16)
+            remaining = context.time_remaining()
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            async with self._serving.stream(prepared, api="grpc", deadline=deadline) as events:
+                async for ev in events:
+                    if not isinstance(ev, Final):
+                        lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
+                        yield pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text, logprobs=lps)
+                        continue
+                    if ev.error is not None:
+                        raise ev.error
+                    usage = pb.Usage(prompt_tokens=ev.prompt_tokens, cached_prompt_tokens=ev.cached_prompt_tokens,
+                                     completion_tokens=ev.completion_tokens)
+                    yield pb.GenerateResponse(request_id=rid, final=pb.FinalInfo(
+                        finish_reason=_FINISH[ev.finish_reason], usage=usage, phase=_phase_message(ev.phase)))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # every failure leaves as its status code; see router.errors
+            await self._fail(context, exc)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            self._check_auth(context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await self._fail(context, exc)
+        info = self._serving.info
+        return pb.ListModelsResponse(models=[pb.ModelCard(id=info.name, max_model_len=info.max_model_len,
+                                                          vocab_size=info.vocab_size)])
+
+
+@dataclass(slots=True)
+class GrpcServer:
+    server: grpc.aio.Server
+    host: str
+    port: int
+    _health: health.aio.HealthServicer
+    _health_task: asyncio.Task
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._health_task
+        await self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while streams drain
+        await self.server.stop(grace_s)
+
+
+async def _update_health(serving: Serving, servicer: health.aio.HealthServicer, last: int | None) -> int:
+    try:
+        ok = await serving.backend.health()
+    except Exception:  # a failing probe means "not serving", never a dead task
+        logger.exception("backend health check failed")
+        ok = False
+    status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+    if status != last:
+        for name in ("", SERVICE_NAME):
+            await servicer.set(name, status)
+    return status
+
+
+async def _follow_health(serving: Serving, servicer: health.aio.HealthServicer, every_s: float, last: int) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        last = await _update_health(serving, servicer, last)
+
+
+async def start_grpc_server(serving: Serving, *, host: str = "127.0.0.1", port: int = 0,
+                            auth: ApiKeyAuth | None = None, credentials: grpc.ServerCredentials | None = None,
+                            health_poll_s: float = 2.0) -> GrpcServer:
+    """Start serving; ``port=0`` picks a free port (see ``GrpcServer.port``)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(serving, auth), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    status = await _update_health(serving, health_servicer, None)
+    await server.start()
+    task = asyncio.create_task(_follow_health(serving, health_servicer, health_poll_s, status), name="grpc-health")
+    logger.info("gRPC API on %s:%d%s", host, bound, " (TLS)" if credentials else "")
+    return GrpcServer(server, host, bound, health_servicer, task)

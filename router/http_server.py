@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP API (aiohttp).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both plain JSON or SSE with
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI
+shaped (``router.errors``). An unknown model is 404 ``model_not_found``, as OpenAI answers.
+A client that disconnects mid-request cancels its handler, which aborts the backend request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pdserve.engine.errors import PdserveError
+from pdserve.router import errors
+from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.openai_format import ResponseBuilder
+from pdserve.router.serving import Chunk, Final, Serving
+from pdserve.router.validation import ParsedRequest, parse_chat_body, parse_completion_body
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_SERVING = web.AppKey("serving", Serving)
+_AUTH = web.AppKey("auth", ApiKeyAuth)
+_MAX_BODY = web.AppKey("max_body", int)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    headers = {}
+    retry = errors.retry_after_seconds(exc)
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    return web.json_response(errors.openai_error_body(exc), status=errors.http_status(exc), headers=headers)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(errors.RequestTooLargeError(
+                f"the request body is larger than {request.app[_MAX_BODY]} bytes"))
+        if exc.status in (404, 405):
+            return error_response(errors.RouteNotFoundError(f"{request.method} {request.path} is not an endpoint here"))
+        raise
+    except PdserveError as exc:
+        return error_response(exc)
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client is gone: nothing to answer
+    except Exception as exc:  # a bug: log it, answer 500 without internals
+        return error_response(errors.as_pdserve_error(exc))
+
+
+async def _read_json(request: web.Request) -> object:
+    limit = request.app[_MAX_BODY]
+    if request.content_length is not None and request.content_length > limit:
+        raise errors.RequestTooLargeError(f"the request body ({request.content_length} bytes) is larger than "
+                                          f"the {limit} bytes this server accepts")
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.InvalidParameterError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidParameterError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_auth(request: web.Request) -> None:
+    request.app[_AUTH].check(request.headers.get("Authorization"))
+
+
+async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) -> web.StreamResponse:
+    serving = request.app[_SERVING]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    prepared = await serving.prepare(parsed, rid, default_max_tokens=None if chat else 16)
+    builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
+                              logprobs=prepared.params.logprobs)
+    async with serving.stream(prepared, api="http") as events:
+        if not parsed.stream:
+            chunks: list[Chunk] = []
+            async for ev in events:
+                if isinstance(ev, Final):
+                    if ev.error is not None:
+                        raise ev.error
+                    return web.json_response(builder.full(chunks, ev), headers={"X-Request-Id": rid})
+                chunks.append(ev)
+            raise PdserveError("the request ended without a final result")
+        first = await anext(events)
+        if isinstance(first, Final) and first.error is not None:
+            raise first.error  # nothing sent yet: answer with the error's own status
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": rid})
+        await resp.prepare(request)
+        await _send_events(resp, builder, first, events, parsed.include_usage)
+        return resp
+
+
+async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first: Chunk | Final,
+                       events: AsyncIterator[Chunk | Final], include_usage: bool) -> None:
+    """Server-sent events after the headers went out; a failure now becomes an error event."""
+
+    async def send(body: dict) -> None:
+        await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+    try:
+        opening = builder.first_chunk()
+        if opening is not None:
+            await send(opening)
+        ev = first
+        while not isinstance(ev, Final):
+            await send(builder.chunk(ev))
+            ev = await anext(events)
+        if ev.error is not None:
+            await send(errors.openai_error_body(ev.error))
+        else:
+            await send(builder.final_chunk(ev))
+            if include_usage:
+                await send(builder.usage_chunk(ev))
+    except PdserveError as exc:
+        await send(errors.openai_error_body(exc))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    _check_auth(request)
+    return await _generate(request, parse_completion_body(await _read_json(request)), chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    _check_auth(request)
+    return await _generate(request, parse_chat_body(await _read_json(request)), chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    _check_auth(request)
+    info = request.app[_SERVING].info
+    return web.json_response({"object": "list", "data": [{
+        "id": info.name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": info.max_model_len,
+    }]})
+
+
+async def health(request: web.Request) -> web.Response:
+    ok = await request.app[_SERVING].backend.health()
+    return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[_SERVING].metrics.render().encode("utf-8")
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None,
+             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes)
+    app[_SERVING] = serving
+    app[_AUTH] = auth or ApiKeyAuth()
+    app[_MAX_BODY] = max_body_bytes
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+@dataclass(slots=True)
+class HttpServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+    tls: bool
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_http_server(serving: Serving, *, host: str = "127.0.0.1", port: int = 0,
+                            auth: ApiKeyAuth | None = None, ssl_context: ssl.SSLContext | None = None,
+                            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HttpServer:
+    """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``)."""
+    runner = web.AppRunner(make_app(serving, auth=auth, max_body_bytes=max_body_bytes),
+                           handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    bound = runner.addresses[0][1]
+    logger.info("HTTP API on %s:%d%s", host, bound, " (TLS)" if ssl_context else "")
+    return HttpServer(runner, host, bound, ssl_context is not None)

@@ -1,0 +1,206 @@
+"""The colocated backend: one in-process ``LLMEngine`` driven by one background thread.
+
+Only that thread touches the engine. Callers on an asyncio loop send it commands (add, abort)
+through a locked list and a wake-up event; it runs ``engine.step()`` while work is pending and
+hands each step's outputs back to the callers' loops with one ``call_soon_threadsafe`` per loop
+per step, into per-request ``asyncio.Queue`` s. A request is registered from its add until its
+final output, so aborting, closing a stream early or a passed deadline always reaches the engine
+and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError
+from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine, StepOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+@dataclass(slots=True, eq=False)  # identity hash: used as a dict key
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deadline: float | None
+    error: PdserveError | None = None  # set when the backend itself ended the request
+
+
+class LocalEngineBackend:
+    def __init__(self, engine: LLMEngine, *, model_name: str | None = None, worker_id: str = "local") -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+        model_dir = str(getattr(engine, "tokenizer_dir", None) or engine.config.model_dir)
+        self._info = ModelInfo(
+            name=model_name or Path(model_dir).name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.spec.vocab_size,
+            eos_token_ids=tuple(engine.spec.eos_token_ids),
+            tokenizer_dir=model_dir,
+        )
+        self._lock = threading.Lock()
+        self._commands: list[tuple] = []
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ Backend API
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._submit(("add", req, _Stream(asyncio.get_running_loop(), queue, req.deadline)))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                yield item
+                if isinstance(item, Finished):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self._submit(("abort", req.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    @property
+    def num_active(self) -> int:
+        """Requests the engine thread is tracking (added, not yet finished)."""
+        return len(self._streams)
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._closing
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running end as "abort" with an error."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("engine thread did not stop within %.1f s", timeout)
+
+    # --------------------------------------------------------- engine thread
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                self._apply_commands()
+                self._expire_deadlines()
+                if not self._engine.has_unfinished():
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self._engine.step()
+                except Exception as exc:  # the engine is in an unknown state: fail what it holds
+                    logger.exception("engine step failed; failing %d requests", len(self._streams))
+                    self._fail_all(PdserveError(f"engine step failed: {exc}"))
+                    continue
+                self._dispatch(outputs)
+        finally:
+            self._apply_commands()
+            self._fail_all(WorkerUnavailableError("the engine is shutting down"))
+
+    def _apply_commands(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if command[0] == "add":
+                _, req, stream = command
+                self._add(req, stream)
+            elif command[0] == "abort":
+                if command[1] in self._streams:
+                    self._engine.abort(command[1])  # its final output comes with the next step
+
+    def _add(self, req: GenerateRequest, stream: _Stream) -> None:
+        if self._closing:
+            self._deliver({stream: [Finished("error", error=WorkerUnavailableError("the engine is shutting down"))]})
+            return
+        try:
+            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority)
+        except PdserveError as exc:
+            self._deliver({stream: [Finished("error", error=exc)]})
+            return
+        self._streams[req.request_id] = stream
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for rid, stream in self._streams.items():
+            if stream.deadline is not None and stream.deadline <= now and stream.error is None:
+                stream.error = DeadlineExceededError("the request's deadline passed before it finished")
+                self._engine.abort(rid)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        batches: dict[_Stream, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted and already reported, or not ours
+            items = batches.setdefault(stream, [])
+            if out.new_token_ids:
+                items.append(TokenDelta(list(out.new_token_ids), out.new_logprobs))
+            if out.finished:
+                del self._streams[out.request_id]
+                items.append(self._finished(out, stream))
+        self._deliver(batches)
+
+    def _finished(self, out: StepOutput, stream: _Stream) -> Finished:
+        phase = complete_phase(out.phase.to_dict() if out.phase is not None else None,
+                               prefill_worker=self._worker_id, decode_worker=self._worker_id)
+        error = stream.error
+        if error is None and out.error:
+            error = PdserveError(out.error)
+        reason = out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "error"
+        if error is not None:
+            reason = "error"
+        return Finished(reason, phase, error)
+
+    def _fail_all(self, error: PdserveError) -> None:
+        batches: dict[_Stream, list] = {}
+        for rid, stream in list(self._streams.items()):
+            try:
+                self._engine.abort(rid)
+            except Exception:  # the engine may be broken; the client must still hear the end
+                logger.exception("abort of %s failed", rid)
+            batches[stream] = [Finished("error", complete_phase(None), error)]
+        self._streams.clear()
+        self._deliver(batches)
+
+    @staticmethod
+    def _deliver(batches: dict[_Stream, list]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list]]] = {}
+        for stream, items in batches.items():
+            if items:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, items))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                logger.debug("dropping outputs for a closed event loop")
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, list]]) -> None:
+    for queue, items in pairs:
+        for item in items:
+            queue.put_nowait(item)

@@ -1,0 +1,82 @@
+"""The router's counters, served as Prometheus text on ``/metrics``.
+
+Labels stay low-cardinality: ``api`` (http | grpc) and ``outcome`` (a finish reason or an
+error type). Core code calls ``observe_*``; ``render`` writes the exposition format.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            running += n
+            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {self.sum:.6f}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._tokens: Counter[str] = Counter()
+        self._ttft = _Histogram(_LATENCY_BUCKETS_S)
+        self._e2e = _Histogram(_LATENCY_BUCKETS_S)
+        self._gauges: dict[str, Callable[[], float]] = {}
+
+    def add_gauge(self, name: str, read: Callable[[], float]) -> None:
+        """A value read at scrape time (e.g. requests in flight)."""
+        self._gauges[name] = read
+
+    def observe_request(self, api: str, outcome: str) -> None:
+        with self._lock:
+            self._requests[(api, outcome)] += 1
+
+    def observe_finished(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                         ttft_s: float | None, total_s: float) -> None:
+        with self._lock:
+            self._tokens["prompt"] += prompt_tokens
+            self._tokens["cached_prompt"] += cached_tokens
+            self._tokens["completion"] += completion_tokens
+            if ttft_s is not None:
+                self._ttft.observe(ttft_s)
+            self._e2e.observe(total_s)
+
+    def render(self) -> str:
+        p = "pdserve_router_"
+        lines = [f"# HELP {p}requests_total Requests finished, by API and outcome.",
+                 f"# TYPE {p}requests_total counter"]
+        with self._lock:
+            for (api, outcome), n in sorted(self._requests.items()):
+                lines.append(f'{p}requests_total{{api="{api}",outcome="{outcome}"}} {n}')
+            for kind in ("prompt", "cached_prompt", "completion"):
+                name = f"{p}{kind}_tokens_total"
+                lines += [f"# TYPE {name} counter", f"{name} {self._tokens[kind]}"]
+            for name, hist, what in ((f"{p}time_to_first_token_seconds", self._ttft, "Time to first token."),
+                                     (f"{p}request_duration_seconds", self._e2e, "End-to-end request time.")):
+                lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"] + hist.lines(name)
+        for name, read in sorted(self._gauges.items()):
+            lines += [f"# TYPE {p}{name} gauge", f"{p}{name} {read():g}"]
+        return "\n".join(lines) + "\n"

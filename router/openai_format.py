@@ -1,0 +1,122 @@
+"""OpenAI-compatible response bodies for completions and chat completions (plain and streamed).
+
+Besides the OpenAI fields, every body carries a ``pdserve`` object: the request id, the token
+ids of this body (or chunk), and on the last one the request's phase record. ``usage`` always
+includes ``prompt_tokens_details.cached_tokens`` (0 when nothing was cached).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.router.serving import Chunk, Final
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def usage_body(final: Final) -> dict:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Shapes one request's chunks into OpenAI JSON; ``chat`` picks the chat format."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
+                 logprobs: int | None) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self._tok = tokenizer
+        self._logprobs = logprobs
+        self._text_offset = 0
+
+    def _envelope(self, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def _token_str(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def logprobs_body(self, chunks: list[Chunk]) -> dict | None:
+        if self._logprobs is None:
+            return None
+        pairs = [(t, lp) for c in chunks if c.logprobs for t, lp in zip(c.token_ids, c.logprobs)]
+        if self.chat:
+            content = []
+            for tok, lp in pairs:
+                s = self._token_str(tok)
+                top = sorted(lp.items(), key=lambda kv: -kv[1])[: self._logprobs]
+                content.append({
+                    "token": s, "logprob": lp.get(tok), "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [{"token": self._token_str(t), "logprob": v,
+                                      "bytes": list(self._token_str(t).encode("utf-8"))} for t, v in top],
+                })
+            return {"content": content}
+        body: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp in pairs:
+            s = self._token_str(tok)
+            body["tokens"].append(s)
+            body["token_logprobs"].append(lp.get(tok))
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[: self._logprobs]
+            body["top_logprobs"].append({self._token_str(t): v for t, v in top})
+            body["text_offset"].append(self._text_offset)
+            self._text_offset += len(s)
+        return body
+
+    def full(self, chunks: list[Chunk], final: Final) -> dict:
+        """The body of a non-streaming response."""
+        text = "".join(c.text for c in chunks)
+        choice: dict = {"index": 0, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self._envelope(stream=False)
+        body.update(choices=[choice], usage=usage_body(final))
+        body["pdserve"] = {"request_id": self.request_id, "token_ids": [t for c in chunks for t in c.token_ids],
+                           "phase": final.phase}
+        return body
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant role; completions have no opening chunk."""
+        if not self.chat:
+            return None
+        body = self._envelope(stream=True)
+        body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]
+        return body
+
+    def chunk(self, chunk: Chunk) -> dict:
+        choice: dict = {"index": 0, "logprobs": self.logprobs_body([chunk]), "finish_reason": None}
+        if self.chat:
+            choice["delta"] = {"content": chunk.text}
+        else:
+            choice["text"] = chunk.text
+        body = self._envelope(stream=True)
+        body["choices"] = [choice]
+        body["pdserve"] = {"token_ids": chunk.token_ids}
+        return body
+
+    def final_chunk(self, final: Final) -> dict:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": final.finish_reason}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        body = self._envelope(stream=True)
+        body["choices"] = [choice]
+        body["pdserve"] = {"request_id": self.request_id, "token_ids": [], "phase": final.phase}
+        return body
+
+    def usage_chunk(self, final: Final) -> dict:
+        body = self._envelope(stream=True)
+        body.update(choices=[], usage=usage_body(final))
+        return body

@@ -1,0 +1,102 @@
+"""Routing policies: pure decisions over snapshots of worker state (no Ray, no I/O).
+
+* Prefill: the worker with the longest cached prefix of the prompt wins, weighed against the
+  prompt tokens already queued there (a cached token saves one token of compute; a queued
+  token delays us by one).
+* Decode: the worker with the most free KV blocks relative to its running batch.
+* Conditional disaggregation: prefill on the decode worker itself when the uncached part is
+  short, or when no prefill worker is available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What the router knows of one worker, refreshed from its stats."""
+
+    worker_id: str
+    role: str
+    alive: bool = True
+    draining: bool = False
+    num_blocks: int = 1
+    num_free_blocks: int = 1
+    num_running: int = 0
+    num_waiting: int = 0
+    # Prompt tokens the router has sent there and not yet seen finish (its own view of the queue).
+    inflight_tokens: int = 0
+    inflight_requests: int = 0
+    cached_hashes: set[int] = field(default_factory=set)
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    decode_worker: str
+    prefill_worker: str | None      # None: prefill locally on the decode worker
+    cached_prefix_tokens: int       # expected prefix-cache hit on the chosen prefill worker
+    reason: str
+
+
+def apply_kv_events(view: WorkerView, events: Iterable[tuple[str, int]]) -> None:
+    """Track which block hashes a prefill worker holds, from its stored/removed events."""
+    for kind, block_hash in events:
+        if kind == "stored":
+            view.cached_hashes.add(block_hash)
+        else:
+            view.cached_hashes.discard(block_hash)
+
+
+def cached_prefix_blocks(view: WorkerView, hashes: list[int]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in view.cached_hashes:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    block_size: int = 16
+    # Prompts whose uncached part is at most this many tokens are prefilled on the decode worker.
+    local_prefill_max_tokens: int = 0
+    # Weight of one queued token against one cached token when choosing a prefill worker.
+    queue_weight: float = 1.0
+
+    def choose(self, prompt_hashes: list[int], num_prompt_tokens: int,
+               prefill: list[WorkerView], decode: list[WorkerView],
+               exclude: frozenset[str] = frozenset()) -> RoutingDecision | None:
+        """Pick a decode worker and a prefill worker (or local prefill); None if no decode worker."""
+        d_candidates = [w for w in decode if w.routable and w.worker_id not in exclude]
+        if not d_candidates:
+            return None
+        d = max(d_candidates, key=self._decode_score)
+        p_candidates = [w for w in prefill if w.routable and w.worker_id not in exclude]
+        if not p_candidates:
+            return RoutingDecision(d.worker_id, None, 0, "no prefill worker available: local prefill")
+        best, best_score, best_cached = None, float("-inf"), 0
+        for w in p_candidates:
+            cached = cached_prefix_blocks(w, prompt_hashes) * self.block_size
+            cached = min(cached, max(0, num_prompt_tokens - 1))
+            score = cached - self.queue_weight * w.inflight_tokens
+            if score > best_score:
+                best, best_score, best_cached = w, score, cached
+        assert best is not None
+        uncached = num_prompt_tokens - best_cached
+        if uncached <= self.local_prefill_max_tokens:
+            return RoutingDecision(d.worker_id, None, 0, f"short uncached part ({uncached} tokens): local prefill")
+        return RoutingDecision(d.worker_id, best.worker_id, best_cached,
+                               f"prefill on {best.worker_id} ({best_cached} cached tokens)")
+
+    @staticmethod
+    def _decode_score(w: WorkerView) -> tuple[float, int]:
+        free = w.num_free_blocks / max(1, w.num_blocks)
+        load = w.num_running + w.num_waiting + w.inflight_requests
+        return (free - 0.01 * load, -load)

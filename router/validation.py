@@ -1,0 +1,284 @@
+"""Checking what a client sent, before any work is queued.
+
+Parses OpenAI-style request bodies (and the gRPC request's values) into ``ParsedRequest``;
+every problem raises ``InvalidParameterError`` naming the field and saying how to fix it.
+Length checks that need the token count (prompt + max_tokens vs the context) are in
+``resolve_max_tokens`` and ``check_prompt_tokens``, called after tokenization.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.errors import ModelNotFoundError
+from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from pdserve.engine.sequence import Priority
+from pdserve.router.errors import InvalidParameterError
+
+MAX_TEMPERATURE = 2.0
+MAX_REQUEST_ID_CHARS = 128
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_REQUEST_ID_CHARS)
+_PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
+# Fields we accept only at their "off" value: (name, allowed values, what to do instead).
+_UNSUPPORTED = (
+    ("n", (None, 1), "n > 1 is not supported; send one request per completion"),
+    ("best_of", (None, 1), "best_of > 1 is not supported"),
+    ("echo", (None, False), "echo is not supported; the prompt is not returned"),
+    ("suffix", (None, ""), "suffix (insertion) is not supported"),
+    ("presence_penalty", (None, 0, 0.0), "presence_penalty is not supported; leave it at 0"),
+    ("frequency_penalty", (None, 0, 0.0), "frequency_penalty is not supported; leave it at 0"),
+    ("logit_bias", (None, {}), "logit_bias is not supported"),
+    ("tools", (None, []), "tool calling is not supported"),
+    ("functions", (None, []), "function calling is not supported"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A syntactically valid request; ``max_tokens`` is resolved once the prompt is tokenized."""
+
+    model: str | None
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens
+    stream: bool = False
+    include_usage: bool = False
+    priority: Priority = Priority.INTERACTIVE
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, **self.sampling)
+
+
+def _bad(param: str, message: str) -> InvalidParameterError:
+    return InvalidParameterError(message, param=param)
+
+
+def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"'{name}' must be an integer, got {type(value).__name__} {value!r}")
+    if lo is not None and value < lo:
+        raise _bad(name, f"'{name}' must be at least {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise _bad(name, f"'{name}' must be at most {hi}, got {value}")
+    return value
+
+
+def _opt_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"'{name}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _opt_bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise _bad(name, f"'{name}' must be true or false, got {value!r}")
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _bad(name, f"'{name}' must be a list of integer token ids")
+    if any(t < 0 for t in value):
+        raise _bad(name, f"'{name}' must hold non-negative token ids")
+    return value
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Raise ``ModelNotFoundError`` unless ``requested`` is empty or the served model's name."""
+    if requested and requested != served:
+        err = ModelNotFoundError(f"the model '{requested}' does not exist here; this server serves '{served}'")
+        err.param = "model"  # type: ignore[attr-defined]
+        raise err
+
+
+def check_request_id(request_id: str) -> str:
+    if not _REQUEST_ID_RE.match(request_id):
+        raise _bad("request_id", f"request_id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                                 "without spaces")
+    return request_id
+
+
+def parse_priority(value: Any) -> Priority:
+    if value is None:
+        return Priority.INTERACTIVE
+    if isinstance(value, str) and value.lower() in _PRIORITIES:
+        return _PRIORITIES[value.lower()]
+    raise _bad("priority", f"'priority' must be one of {sorted(_PRIORITIES)}, got {value!r}")
+
+
+def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
+    """The sampling fields shared by both endpoints (plus our extensions top_k, ignore_eos, ...)."""
+    out: dict[str, Any] = {}
+    temperature = _opt_number(body, "temperature")
+    if temperature is not None:
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise _bad("temperature", f"'temperature' must be between 0 and {MAX_TEMPERATURE} "
+                                      f"(0 is greedy), got {temperature}")
+        out["temperature"] = temperature
+    top_p = _opt_number(body, "top_p")
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise _bad("top_p", f"'top_p' must be greater than 0 and at most 1, got {top_p}")
+        out["top_p"] = top_p
+    top_k = _opt_int(body, "top_k", lo=0)
+    if top_k is not None:
+        out["top_k"] = top_k
+    seed = _opt_int(body, "seed")
+    if seed is not None:
+        out["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise _bad("stop", "'stop' must be a non-empty string or a list of non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        out["stop"] = tuple(stops)
+    if body.get("stop_token_ids") is not None:
+        out["stop_token_ids"] = tuple(_token_ids(body["stop_token_ids"], "stop_token_ids"))
+    ignore_eos = _opt_bool(body, "ignore_eos")
+    if ignore_eos:
+        out["ignore_eos"] = True
+    if chat:
+        wants = _opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not wants:
+            raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        if wants:
+            out["logprobs"] = top or 0
+    else:
+        logprobs = _opt_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+    return out
+
+
+def _common(body: Any, *, chat: bool) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidParameterError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"'model' must be a string, got {model!r}")
+    for name, allowed, hint in _UNSUPPORTED:
+        if body.get(name) not in allowed:
+            raise _bad(name, hint)
+    stream = _opt_bool(body, "stream") or False
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if not isinstance(options, dict):
+            raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
+        include_usage = bool(_opt_bool(options, "include_usage"))
+    max_tokens = _opt_int(body, "max_tokens", lo=1)
+    if chat:
+        max_tokens = _opt_int(body, "max_completion_tokens", lo=1) or max_tokens
+    return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
+
+
+def parse_completion_body(body: Any) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body (one prompt: a string or a list of token ids)."""
+    common = _common(body, chat=False)
+    if "prompt" not in body:
+        raise _bad("prompt", "'prompt' is required: a string or a list of token ids")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise _bad("prompt", f"batched prompts are not supported ({len(prompt)} given); send one prompt per request")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "'prompt' is empty; send at least one character")
+        return ParsedRequest(prompt_text=prompt, **common)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _bad("prompt", "'prompt' is an empty list; send at least one token id")
+        return ParsedRequest(prompt_token_ids=_token_ids(prompt, "prompt"), **common)
+    raise _bad("prompt", f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _message(i: int, msg: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise _bad("messages", f"{where} must be an object with 'role' and 'content'")
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise _bad("messages", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    content = msg.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad("messages", f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}; "
+                                       "only text content is supported")
+            texts.append(part["text"])
+        return {"role": role, "content": "".join(texts)}
+    raise _bad("messages", f"{where}.content must be a string or a list of text parts")
+
+
+def parse_chat_body(body: Any) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body."""
+    common = _common(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    return ParsedRequest(messages=[_message(i, m) for i, m in enumerate(messages)], **common)
+
+
+def check_prompt_tokens(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The prompt must be non-empty, inside the vocabulary, and leave room for one new token."""
+    if not token_ids:
+        raise _bad("prompt", "the prompt is empty after tokenization; send some text")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise InvalidParameterError(
+            f"the prompt has {len(token_ids)} tokens but this model's context length is {max_model_len}; "
+            f"shorten the prompt to at most {max_model_len - 1} tokens",
+            param="prompt", code="context_length_exceeded")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """``max_tokens`` checked against the room the context leaves; ``default`` None means all of it."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise InvalidParameterError(
+            f"this model's context length is {max_model_len} tokens, but the prompt ({prompt_len} tokens) "
+            f"plus max_tokens ({requested}) needs {prompt_len + requested}; "
+            f"lower max_tokens to at most {room} or shorten the prompt",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids: list[int] | None,
+                          fields: dict[str, Any], priority: Priority) -> ParsedRequest:
+    """Validate the gRPC ``Generate`` request's values (``fields``: the set sampling fields by name)."""
+    if prompt_text is None and prompt_token_ids is None:
+        raise _bad("prompt", "set the prompt: either 'text' or 'token_ids'")
+    if prompt_text is not None and not prompt_text:
+        raise _bad("prompt", "'text' is empty; send at least one character")
+    if prompt_token_ids is not None and not prompt_token_ids:
+        raise _bad("prompt", "'token_ids' is empty; send at least one token id")
+    max_tokens = _opt_int(fields, "max_tokens", lo=1)
+    return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
+                         max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority)

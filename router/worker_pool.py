@@ -1,0 +1,170 @@
+"""The router's live view of the worker pools: handles, health, load, prefix caches, and one
+output pump per decode worker (one Ray call per decode step carries every request's tokens;
+the pump fans them out to per-attempt queues)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.router.policy import WorkerView, apply_kv_events
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLost(Exception):
+    """A worker died (or stopped answering) while it held part of a request."""
+
+    def __init__(self, worker_id: str, detail: str = "") -> None:
+        super().__init__(f"worker {worker_id} lost{': ' + detail if detail else ''}")
+        self.worker_id = worker_id
+
+
+LOST = object()  # queued into an attempt's stream when its decode worker dies
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+@dataclass(slots=True)
+class PoolMember:
+    worker_id: str
+    role: str
+    actor: Any
+    view: WorkerView
+
+
+class WorkerPool:
+    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.05) -> None:
+        self.members: dict[str, PoolMember] = {}
+        self._queues: dict[str, asyncio.Queue] = {}      # attempt id -> stream
+        self._attempt_worker: dict[str, str] = {}         # attempt id -> decode worker id
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._monitor: asyncio.Task | None = None
+        self._stats_interval_s = stats_interval_s
+        self._drain_timeout_s = drain_timeout_s
+        self.on_worker_lost: list[Callable[[str], None]] = []
+
+    # ------------------------------------------------------------ membership
+    def add(self, worker_id: str, role: str, actor: Any) -> None:
+        self.members[worker_id] = PoolMember(worker_id, role, actor, WorkerView(worker_id, role))
+        if role == "decode" and self._monitor is not None:
+            self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._pump(worker_id))
+
+    def remove(self, worker_id: str) -> None:
+        member = self.members.pop(worker_id, None)
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        if member is not None:
+            self._fail_attempts_on(worker_id)
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> None:
+        if worker_id in self.members:
+            self.members[worker_id].view.draining = draining
+
+    def views(self, role: str) -> list[WorkerView]:
+        return [m.view for m in self.members.values() if m.role == role]
+
+    def actor(self, worker_id: str) -> Any:
+        member = self.members.get(worker_id)
+        if member is None or not member.view.alive:
+            raise WorkerLost(worker_id, "not in the pool")
+        return member.actor
+
+    def mark_dead(self, worker_id: str, detail: str = "") -> None:
+        member = self.members.get(worker_id)
+        if member is None or not member.view.alive:
+            return
+        member.view.alive = False
+        logger.warning("worker %s marked dead: %s", worker_id, detail)
+        self._fail_attempts_on(worker_id)
+        for cb in self.on_worker_lost:
+            cb(worker_id)
+
+    # --------------------------------------------------------------- streams
+    def open_stream(self, attempt_id: str, decode_worker_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[attempt_id] = q
+        self._attempt_worker[attempt_id] = decode_worker_id
+        member = self.members.get(decode_worker_id)
+        if member is None or not member.view.alive:
+            q.put_nowait(LOST)
+        return q
+
+    def close_stream(self, attempt_id: str) -> None:
+        self._queues.pop(attempt_id, None)
+        self._attempt_worker.pop(attempt_id, None)
+
+    def _fail_attempts_on(self, worker_id: str) -> None:
+        for attempt, wid in list(self._attempt_worker.items()):
+            if wid == worker_id and attempt in self._queues:
+                self._queues[attempt].put_nowait(LOST)
+
+    # ----------------------------------------------------------------- tasks
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._monitor = loop.create_task(self._monitor_loop())
+        for wid, m in self.members.items():
+            if m.role == "decode" and wid not in self._tasks:
+                self._tasks[wid] = loop.create_task(self._pump(wid))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values()) + ([self._monitor] if self._monitor else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._monitor = None
+
+    async def _pump(self, worker_id: str) -> None:
+        while worker_id in self.members:
+            member = self.members[worker_id]
+            try:
+                outputs = await member.actor.drain.remote(self._drain_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if is_actor_death(exc):
+                    self.mark_dead(worker_id, str(exc).splitlines()[0])
+                    return
+                logger.exception("drain from %s failed", worker_id)
+                await asyncio.sleep(0.1)
+                continue
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._stats_interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Pull every live worker's stats (and a prefill worker's KV events) once."""
+        for wid, member in list(self.members.items()):
+            if not member.view.alive:
+                continue
+            try:
+                stats = await asyncio.wait_for(member.actor.stats.remote(), timeout=5.0)
+                if member.role == "prefill":
+                    events = await asyncio.wait_for(member.actor.drain_kv_events.remote(), timeout=5.0)
+                    apply_kv_events(member.view, events)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if is_actor_death(exc) or isinstance(exc, asyncio.TimeoutError):
+                    self.mark_dead(wid, f"{type(exc).__name__}: {exc}".splitlines()[0])
+                continue
+            v = member.view
+            v.num_blocks = int(stats.get("num_blocks", v.num_blocks))
+            v.num_free_blocks = int(stats.get("num_free_blocks", v.num_free_blocks))
+            v.num_running = int(stats.get("num_running", 0))
+            v.num_waiting = int(stats.get("num_waiting", 0))

@@ -1,0 +1,447 @@
+"""The router's client APIs end to end: real HTTP and gRPC servers on 127.0.0.1, a real engine.
+
+One engine (tiny model) runs behind ``LocalEngineBackend``; its greedy outputs for a few prompts
+are recorded before the servers start, and every API must reproduce them token for token.
+Servers run on an asyncio loop in a thread; tests use the unmodified ``openai`` client, raw
+HTTP, and gRPC stubs. Every test that stops a request early ends by checking the engine freed
+its blocks; the module ends by checking nothing at all leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.admission import Admission, AdmissionConfig
+from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.http_server import start_http_server
+from pdserve.router.local_backend import LocalEngineBackend
+from pdserve.router.serving import Serving
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+MAX_LEN = 256
+MAX_BODY = 64 * 1024
+KEY = "sekrit-key"
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "def main():"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+GEN = 24
+LONG = 220  # max_tokens of requests that a test stops early
+
+
+@dataclass
+class Stack:
+    engine: LLMEngine
+    backend: LocalEngineBackend
+    tokenizer: object
+    loop: asyncio.AbstractEventLoop
+    http_url: str
+    grpc_target: str
+    guarded_url: str       # API key required, one request in flight, no queue
+    guarded_target: str
+    ref: dict              # prompt text (or "chat") -> (prompt ids, greedy output ids)
+
+    def client(self, *, guarded: bool = False) -> openai.OpenAI:
+        url = self.guarded_url if guarded else self.http_url
+        return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """Until the engine holds no request; then every KV block must be free."""
+        end = time.monotonic() + timeout
+        while self.backend.num_active or self.engine.has_unfinished():
+            assert time.monotonic() < end, "the engine did not finish its requests in time"
+            time.sleep(0.02)
+        assert self.engine.block_manager.all_free()
+
+    def call(self, coro, timeout: float = 30.0):
+        """Run a coroutine on the servers' event loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def generated(self) -> int:
+        """Tokens the engine has sampled so far (to tell an aborted request from a finished one)."""
+        return self.engine.stats().generated_tokens
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_model_len=MAX_LEN,
+                                    max_num_seqs=64))
+    tokenizer = load_tokenizer(tiny_model)
+    greedy = SamplingParams(max_tokens=GEN, temperature=0.0)
+    prompts = {p: tokenizer(p)["input_ids"] for p in PROMPTS} | {"chat": chat_ids(tokenizer, CHAT)}
+    outputs = engine.generate(list(prompts.values()), greedy)  # the engine alone, before any server
+    ref = {k: (ids, out) for (k, ids), out in zip(prompts.items(), outputs)}
+    backend = LocalEngineBackend(engine, model_name="tiny")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-servers", daemon=True)
+    thread.start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    async def start():
+        serving = Serving(backend, tokenizer=tokenizer)
+        guarded = Serving(backend, tokenizer=tokenizer,
+                          admission=Admission(AdmissionConfig(max_in_flight=1, max_queued=0, retry_after_s=2)))
+        auth = ApiKeyAuth([KEY])
+        return [await start_http_server(serving, max_body_bytes=MAX_BODY), await start_grpc_server(serving),
+                await start_http_server(guarded, auth=auth), await start_grpc_server(guarded, auth=auth)]
+
+    servers = call(start())
+    yield Stack(engine, backend, tokenizer, loop, servers[0].base_url, servers[1].target,
+                servers[2].base_url, servers[3].target, ref)
+    for server in servers:
+        call(server.stop())
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+    backend.close()
+    assert backend.num_active == 0 and not engine.has_unfinished()
+    assert engine.block_manager.all_free()
+
+
+def raw_post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------ HTTP happy paths
+def test_completions_greedy_match_the_engine_plain_and_streamed(stack: Stack) -> None:
+    client = stack.client()
+    for prompt in PROMPTS:
+        ids, expected = stack.ref[prompt]
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0)
+        assert r.pdserve["token_ids"] == expected
+        assert r.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(expected)
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        assert r.pdserve["phase"]["prefill_worker"] == "local" and r.pdserve["phase"]["total_s"] > 0
+
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        streamed = [t for c in chunks if c.choices for t in c.pdserve["token_ids"]]
+        assert streamed == expected
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == len(expected) and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_chat_greedy_matches_the_engine_plain_and_streamed(stack: Stack) -> None:
+    client = stack.client()
+    ids, expected = stack.ref["chat"]
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=GEN, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    assert r.pdserve["token_ids"] == expected
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].logprobs.content) == len(expected)
+    assert all(len(lp.top_logprobs) <= 2 and lp.logprob <= 0 for lp in r.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=GEN, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [t for c in chunks[1:] for t in c.pdserve["token_ids"]] == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(stack: Stack) -> None:
+    prompt = PROMPTS[1]
+    text = stack.tokenizer.decode(stack.ref[prompt][1], skip_special_tokens=True)
+    start = next(i for i in range(len(text) // 2, len(text) - 4) if text.find(text[i:i + 4]) == i)
+    stop = text[start:start + 4]
+    client = stack.client()
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (text[:start], "stop")
+    assert r.usage.completion_tokens < GEN
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text[:start]
+    stack.wait_idle()
+
+
+def test_repeated_long_prompt_reports_cached_tokens(stack: Stack) -> None:
+    prompt = "Cache me if you can, said the long prompt. " * 12
+    client = stack.client()
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 64
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached == second.pdserve["phase"]["cached_prompt_tokens"]
+    assert second.pdserve["token_ids"] == first.pdserve["token_ids"]
+
+
+def test_models_health_and_metrics(stack: Stack) -> None:
+    assert [m.id for m in stack.client().models.list().data] == ["tiny"]
+    host, port = stack.http_url.removeprefix("http://").split(":")
+    for path, status, words in (("/health", 200, '"ok"'), ("/metrics", 200, "pdserve_router_requests_total"),
+                                ("/nope", 404, "not an endpoint")):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert (resp.status, words in resp.read().decode()) == (status, True), path
+        conn.close()
+
+
+# ------------------------------------------------------------------ HTTP bad inputs
+def test_every_bad_input_gets_its_status_and_an_actionable_message(stack: Stack) -> None:
+    url = stack.http_url
+    cases = [
+        (b'{"prompt": "hi", ', 400, "not valid JSON"),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        (b'["hi"]', 400, "JSON object"),
+        (json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode(), 413, "larger than"),
+        (json.dumps({"prompt": ""}).encode(), 400, "'prompt' is empty"),
+        (json.dumps({"prompt": list(range(1, 300))}).encode(), 400, "shorten the prompt"),
+        (json.dumps({"prompt": [1, 99999]}).encode(), 400, "outside the vocabulary"),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "at least 1"),
+        (json.dumps({"prompt": "hi", "max_tokens": 10_000}).encode(), 400, "lower max_tokens to at most"),
+        (json.dumps({"prompt": "hi", "max_tokens": "5"}).encode(), 400, "must be an integer"),
+        (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "'temperature' must be between"),
+        (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "'top_p' must be greater than 0"),
+        (json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 404, "this server serves 'tiny'"),
+    ]
+    for body, status, words in cases:
+        got, _, payload = raw_post(url, "/v1/completions", body)
+        assert got == status, (body[:40], payload)
+        assert set(payload["error"]) == {"message", "type", "param", "code"}
+        assert words in payload["error"]["message"], payload
+    got, _, payload = raw_post(url, "/v1/chat/completions", json.dumps({"messages": "hi"}).encode())
+    assert got == 400 and payload["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:  # the openai client sees the same errors
+        stack.client().completions.create(model="tiny", prompt="hi", max_tokens=10_000)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        stack.client().chat.completions.create(model="other", messages=CHAT)
+    stack.wait_idle()
+
+
+def test_api_key_and_overload(stack: Stack) -> None:
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    assert raw_post(stack.guarded_url, "/v1/completions", body)[0] == 401
+    assert raw_post(stack.guarded_url, "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert raw_post(stack.guarded_url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})[0] == 200
+    # Hold the guarded server's only slot with a long stream, then knock again.
+    before = stack.generated()
+    long = stack.client(guarded=True).completions.create(
+        model="tiny", prompt="hold", max_tokens=LONG, stream=True, extra_body={"ignore_eos": True})
+    next(iter(long))
+    status, headers, payload = raw_post(stack.guarded_url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 429 and headers["Retry-After"] == "2" and payload["error"]["code"] == "rate_limit_exceeded"
+    with grpc.insecure_channel(stack.guarded_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=10))
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi"), metadata=[("authorization", f"Bearer {KEY}")],
+                               timeout=10))
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after-ms", "2000") in tuple(info.value.trailing_metadata())
+    long.close()  # client gone mid-stream: the server aborts the request
+    stack.wait_idle()
+    assert stack.generated() - before < LONG // 2, "the request ran on after its client left"
+
+
+def test_http_client_disconnect_aborts_the_request(stack: Stack) -> None:
+    before = stack.generated()
+    host, port = stack.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "go on", "max_tokens": LONG, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert stack.backend.num_active == 1
+    conn.close()
+    stack.wait_idle()
+    assert stack.generated() - before < LONG // 2, "the request ran on after its client left"
+
+
+# ------------------------------------------------------------------------- gRPC
+def test_grpc_generate_streams_the_engines_tokens(stack: Stack) -> None:
+    ids, expected = stack.ref[PROMPTS[0]]
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        sampling = pb.SamplingParams(max_tokens=GEN, temperature=0.0)
+        for req in (pb.GenerateRequest(text=PROMPTS[0], sampling=sampling, request_id="grpc-text"),
+                    pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sampling)):
+            msgs = list(stub.Generate(req, timeout=30))
+            assert [t for m in msgs for t in m.token_ids] == expected
+            assert "".join(m.text for m in msgs) == stack.tokenizer.decode(expected, skip_special_tokens=True)
+            assert [m.HasField("final") for m in msgs].count(True) == 1 and msgs[-1].HasField("final")
+            final = msgs[-1].final
+            assert final.usage.prompt_tokens == len(ids) and final.usage.completion_tokens == len(expected)
+            assert final.phase.decode_worker == "local" and final.phase.HasField("ttft_s")
+        assert msgs[0].request_id.startswith("grpc-") and msgs[0].request_id != "grpc-text"
+        models = stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        assert [(m.id, m.max_model_len) for m in models.models] == [("tiny", MAX_LEN)]
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=2.0)), timeout=10))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", model="gpt-4"), timeout=10))
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_grpc_health_and_reflection(stack: Stack) -> None:
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "pdserve.v1.Generation"):
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "pdserve.v1.Generation" in db.get_services()
+        methods = DescriptorPool(db).FindServiceByName("pdserve.v1.Generation").methods_by_name
+        assert set(methods) == {"Generate", "ListModels"}
+
+
+def test_grpc_cancel_and_deadline_free_the_engine_blocks(stack: Stack) -> None:
+    long = pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        before = stack.generated()
+        call = stub.Generate(pb.GenerateRequest(text="keep going", sampling=long), timeout=30)
+        next(call)
+        next(call)
+        call.cancel()
+        stack.wait_idle()
+        assert stack.generated() - before < LONG // 2, "the request ran on after its client cancelled"
+        before = stack.generated()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="keep going", sampling=long), timeout=0.2))
+        assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        stack.wait_idle()
+        assert stack.generated() - before < LONG // 2, "the request ran on past its deadline"
+
+
+# ------------------------------------------------------------------ concurrency
+def test_sixty_concurrent_streams_complete(stack: Stack) -> None:
+    async def http_stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, str]:
+        stream = await client.completions.create(model="tiny", prompt=f"Request number {i} says", max_tokens=12,
+                                                 temperature=0.8, seed=i, stream=True,
+                                                 stream_options={"include_usage": True})
+        tokens, reason, usage = 0, None, None
+        async for chunk in stream:
+            if chunk.choices:
+                tokens += len(chunk.pdserve["token_ids"])
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        assert usage.completion_tokens == tokens
+        return tokens, reason
+
+    async def grpc_stream(stub, i: int) -> tuple[int, str]:
+        req = pb.GenerateRequest(text=f"Stream {i}:", sampling=pb.SamplingParams(max_tokens=12, seed=i))
+        tokens, final = 0, None
+        async for msg in stub.Generate(req, timeout=60):
+            tokens += len(msg.token_ids)
+            final = msg.final if msg.HasField("final") else final
+        assert final.usage.completion_tokens == tokens
+        return tokens, pb.FinishReason.Name(final.finish_reason)
+
+    async def run() -> list[tuple[int, str]]:
+        client = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            jobs = [http_stream(client, i) for i in range(40)] + [grpc_stream(stub, i) for i in range(20)]
+            results = await asyncio.wait_for(asyncio.gather(*jobs), 90)
+        await client.close()
+        return results
+
+    results = asyncio.run(run())
+    assert len(results) == 60
+    assert all(1 <= n <= 12 and reason in ("stop", "length", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+               for n, reason in results)
+    stack.wait_idle()
+
+
+# -------------------------------------------------------------------------- TLS
+def self_signed(tmp_path) -> tuple[str, str]:
+    crypto = pytest.importorskip("cryptography")  # noqa: F841
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_tls_on_both_apis(stack: Stack, tmp_path) -> None:
+    import ssl
+
+    import httpx2  # the openai client's HTTP library
+
+    from pdserve.router.auth import grpc_server_credentials, server_ssl_context
+
+    cert, key = self_signed(tmp_path)
+
+    async def start():
+        serving = Serving(stack.backend, tokenizer=stack.tokenizer)
+        return (await start_http_server(serving, ssl_context=server_ssl_context(cert, key)),
+                await start_grpc_server(serving, credentials=grpc_server_credentials(cert, key)))
+
+    http_server, grpc_server = stack.call(start())
+    try:
+        assert http_server.base_url.startswith("https://127.0.0.1:")
+        client = openai.OpenAI(base_url=http_server.base_url + "/v1", api_key="x", max_retries=0,
+                               http_client=httpx2.Client(verify=ssl.create_default_context(cafile=cert), timeout=30))
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=GEN, temperature=0)
+        assert r.pdserve["token_ids"] == stack.ref[PROMPTS[0]][1]
+        creds = grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())
+        with grpc.secure_channel(grpc_server.target, creds) as channel:
+            msgs = list(pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(max_tokens=GEN, temperature=0.0)),
+                timeout=30))
+        assert [t for m in msgs for t in m.token_ids] == stack.ref[PROMPTS[0]][1]
+        with grpc.insecure_channel(grpc_server.target) as channel:  # plaintext is refused
+            with pytest.raises(grpc.RpcError):
+                pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), timeout=5)
+    finally:
+        stack.call(http_server.stop())
+        stack.call(grpc_server.stop())
+    stack.wait_idle()

@@ -1,0 +1,64 @@
+"""The router's output text: incremental, UTF-8 safe, stop strings cut and never leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.detokenizer import OutputText
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stream(out: OutputText, ids: list[int]) -> list[str]:
+    deltas = [out.push(t) for t in ids]
+    if not out.stopped:
+        deltas.append(out.finish())
+    return deltas
+
+
+def test_multibyte_characters_are_never_split(tokenizer) -> None:
+    text = " naïve café — 世界 🎉 done"
+    ids = ids_of(tokenizer, text)
+    assert len(ids) > len(text.split())  # some characters span several byte tokens
+    deltas = stream(OutputText(tokenizer, ids_of(tokenizer, "Say:")), ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_string_spanning_tokens_is_cut_and_ends_the_text(tokenizer) -> None:
+    text = " the quick brown fox jumps over the lazy dog"
+    ids = ids_of(tokenizer, text)
+    out = OutputText(tokenizer, [], stop=("n fox j",))
+    deltas = stream(out, ids)
+    assert out.stopped
+    assert "".join(deltas) == " the quick brow" == out.text
+    assert out.push(ids[-1]) == "" and out.finish() == ""
+
+
+def test_possible_stop_prefix_is_held_back_then_released(tokenizer) -> None:
+    out = OutputText(tokenizer, [], stop=("fox!",))
+    deltas = [out.push(t) for t in ids_of(tokenizer, " a fox")]
+    assert "".join(deltas) == " a "  # "fox" might start "fox!": not shown yet
+    deltas += [out.push(t) for t in ids_of(tokenizer, " ran")]
+    deltas.append(out.finish())
+    assert "".join(deltas) == " a fox ran" and not out.stopped
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
+    out = OutputText(tokenizer, [], stop=("dog", "over"))
+    text = "".join(stream(out, ids_of(tokenizer, " jumps over the lazy dog")))
+    assert text == " jumps "
+
+
+def test_no_stop_strings_streams_everything(tokenizer) -> None:
+    text = " plain text, nothing special."
+    assert "".join(stream(OutputText(tokenizer, []), ids_of(tokenizer, text))) == text

@@ -1,0 +1,94 @@
+"""The shared request pipeline over a scripted in-memory backend that knows nothing of text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.errors import DeadlineExceededError
+from pdserve.router.backend import Finished, ModelInfo, TokenDelta
+from pdserve.router.serving import Chunk, Final, Serving
+from pdserve.router.validation import parse_completion_body
+
+
+class ScriptedBackend:
+    """Emits the token ids of ``script`` one per delta (slowly if asked), then Finished("length")."""
+
+    def __init__(self, tokenizer_dir: str, script: list[int], delay_s: float = 0.0) -> None:
+        self._info = ModelInfo("m", 512, 1458, (1,), tokenizer_dir)
+        self.script = script
+        self.delay_s = delay_s
+        self.aborted: list[str] = []
+        self.closed = 0
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def generate(self, req):
+        try:
+            for tok in self.script[: req.params.max_tokens]:
+                if req.request_id in self.aborted:
+                    yield Finished("abort", {"output_tokens": 0})
+                    return
+                await asyncio.sleep(self.delay_s)
+                yield TokenDelta([tok])
+            yield Finished("length", {"cached_prompt_tokens": 3, "total_s": 0.1})
+        finally:
+            self.closed += 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def health(self) -> bool:
+        return True
+
+
+def run(serving: Serving, body: dict, deadline: float | None = None) -> list:
+    async def go() -> list:
+        prepared = await serving.prepare(parse_completion_body(body), "r1", default_max_tokens=16)
+        async with serving.stream(prepared, api="test", deadline=deadline) as events:
+            return [ev async for ev in events]
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+def test_router_applies_stop_strings_and_aborts_the_backend(tiny_model, tokenizer) -> None:
+    script = tokenizer(" one two three four five", add_special_tokens=False)["input_ids"]
+    backend = ScriptedBackend(str(tiny_model), script)
+    serving = Serving(backend, tokenizer=tokenizer)
+    events = run(serving, {"prompt": "count:", "stop": "three", "max_tokens": 10})
+    text = "".join(e.text for e in events if isinstance(e, Chunk))
+    final = events[-1]
+    assert text == " one two " and isinstance(final, Final) and final.finish_reason == "stop"
+    assert backend.aborted == ["r1"] and backend.closed == 1
+    assert final.completion_tokens == sum(len(e.token_ids) for e in events if isinstance(e, Chunk))
+    assert serving.admission.in_flight == 0
+
+
+def test_natural_finish_flushes_text_and_reports_usage(tiny_model, tokenizer) -> None:
+    script = tokenizer(" héllo wörld", add_special_tokens=False)["input_ids"]
+    serving = Serving(ScriptedBackend(str(tiny_model), script), tokenizer=tokenizer)
+    events = run(serving, {"prompt": "say:", "max_tokens": len(script)})
+    assert "".join(e.text for e in events if isinstance(e, Chunk)) == " héllo wörld"
+    final = events[-1]
+    assert (final.finish_reason, final.cached_prompt_tokens, final.completion_tokens) == ("length", 3, len(script))
+    assert final.phase["kv_bytes"] == 0 and final.phase["finish_reason"] == "length"
+
+
+def test_deadline_aborts_the_backend(tiny_model, tokenizer) -> None:
+    import time
+
+    backend = ScriptedBackend(str(tiny_model), list(range(10, 40)), delay_s=0.05)
+    serving = Serving(backend, tokenizer=tokenizer)
+    with pytest.raises(DeadlineExceededError):
+        run(serving, {"prompt": "x", "max_tokens": 30}, deadline=time.monotonic() + 0.2)
+    assert backend.aborted == ["r1"] and backend.closed == 1
+    assert serving.admission.in_flight == 0

@@ -1,0 +1,210 @@
+"""Request validation at the door, and how its errors reach clients (status, OpenAI body)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.engine.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    PdserveError,
+    WorkerUnavailableError,
+)
+from pdserve.engine.sequence import Priority
+from pdserve.router import errors
+from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.validation import (
+    check_model,
+    check_prompt_tokens,
+    check_request_id,
+    parse_chat_body,
+    parse_completion_body,
+    parse_generate_fields,
+    resolve_max_tokens,
+)
+
+
+def completion(**fields):
+    return {"model": "tiny", "prompt": "hello", **fields}
+
+
+def chat(**fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+# ------------------------------------------------------------------ valid inputs
+def test_completion_body_with_every_supported_field() -> None:
+    req = parse_completion_body(completion(
+        max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop=["\n", "END"], stop_token_ids=[4],
+        ignore_eos=True, logprobs=2, stream=True, stream_options={"include_usage": True}, priority="batch",
+        n=1, echo=False, presence_penalty=0, user="someone", some_future_field=1))
+    assert (req.prompt_text, req.max_tokens, req.stream, req.include_usage) == ("hello", 7, True, True)
+    assert req.priority is Priority.BATCH
+    params = req.sampling_params(req.max_tokens)
+    assert params.greedy and params.top_p == 0.5 and params.top_k == 3 and params.seed == 11
+    assert params.stop == ("\n", "END") and params.stop_token_ids == (4,) and params.ignore_eos
+    assert params.logprobs == 2
+
+
+@pytest.mark.parametrize("prompt, text, ids", [
+    ("abc", "abc", None),
+    ([1, 2, 3], None, [1, 2, 3]),
+    (["abc"], "abc", None),
+    ([[5, 6]], None, [5, 6]),
+])
+def test_completion_prompt_forms(prompt, text, ids) -> None:
+    req = parse_completion_body(completion(prompt=prompt))
+    assert (req.prompt_text, req.prompt_token_ids) == (text, ids)
+
+
+def test_chat_body_joins_text_parts_and_reads_logprob_fields() -> None:
+    req = parse_chat_body(chat(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ], max_completion_tokens=5, logprobs=True, top_logprobs=3))
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert req.max_tokens == 5 and req.sampling["logprobs"] == 3
+
+
+def test_stop_string_alone_becomes_a_tuple() -> None:
+    assert parse_completion_body(completion(stop="###")).sampling["stop"] == ("###",)
+
+
+# ---------------------------------------------------------------- invalid inputs
+@pytest.mark.parametrize("body, param, words", [
+    ([1, 2], None, "JSON object"),
+    ({"model": "tiny"}, "prompt", "required"),
+    (completion(prompt=""), "prompt", "empty"),
+    (completion(prompt=[]), "prompt", "empty list"),
+    (completion(prompt=5), "prompt", "string or a list of token ids"),
+    (completion(prompt=[1, "a"]), "prompt", "integer token ids"),
+    (completion(prompt=[1, -2]), "prompt", "non-negative"),
+    (completion(prompt=["a", "b"]), "prompt", "batched prompts are not supported"),
+    (completion(max_tokens=0), "max_tokens", "at least 1"),
+    (completion(max_tokens="10"), "max_tokens", "must be an integer"),
+    (completion(max_tokens=True), "max_tokens", "must be an integer"),
+    (completion(max_tokens=2.5), "max_tokens", "must be an integer"),
+    (completion(temperature=-0.1), "temperature", "between 0 and 2"),
+    (completion(temperature=2.5), "temperature", "between 0 and 2"),
+    (completion(temperature="hot"), "temperature", "finite number"),
+    (completion(temperature=float("nan")), "temperature", "finite number"),
+    (completion(top_p=0), "top_p", "greater than 0"),
+    (completion(top_p=1.5), "top_p", "at most 1"),
+    (completion(top_k=-1), "top_k", "at least 0"),
+    (completion(stop=[""]), "stop", "non-empty"),
+    (completion(stop=["x"] * 17), "stop", "at most 16"),
+    (completion(stream="yes"), "stream", "true or false"),
+    (completion(stream_options={"include_usage": True}), "stream_options", "only allowed when 'stream' is true"),
+    (completion(logprobs=21), "logprobs", "at most 20"),
+    (completion(n=2), "n", "n > 1 is not supported"),
+    (completion(echo=True), "echo", "echo is not supported"),
+    (completion(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (completion(priority="urgent"), "priority", "interactive"),
+    (completion(model=3), "model", "must be a string"),
+    (chat(messages=[]), "messages", "non-empty list"),
+    (chat(messages="hi"), "messages", "non-empty list"),
+    (chat(messages=[{"role": "robot", "content": "x"}]), "messages", "messages[0].role"),
+    (chat(messages=[{"role": "user", "content": 3}]), "messages", "string or a list of text parts"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages",
+     "only text content"),
+    (chat(top_logprobs=2), "top_logprobs", "needs 'logprobs': true"),
+    (chat(logprobs=1), "logprobs", "true or false"),
+])
+def test_invalid_bodies_name_the_field_and_the_fix(body, param, words) -> None:
+    parse = parse_chat_body if isinstance(body, dict) and "messages" in body else parse_completion_body
+    with pytest.raises(InvalidRequestError) as info:
+        parse(body)
+    assert info.value.param == param
+    assert words in str(info.value)
+    assert errors.http_status(info.value) == 400
+    assert errors.grpc_status_code(info.value) is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prompt_checks_after_tokenization() -> None:
+    check_prompt_tokens([1, 2, 3], vocab_size=10, max_model_len=8)
+    with pytest.raises(InvalidRequestError, match="empty after tokenization"):
+        check_prompt_tokens([], 10, 8)
+    with pytest.raises(InvalidRequestError, match=r"token id 10 is outside the vocabulary \[0, 10\)"):
+        check_prompt_tokens([1, 10], 10, 8)
+    with pytest.raises(InvalidRequestError, match="shorten the prompt to at most 7 tokens") as info:
+        check_prompt_tokens([1] * 8, 10, 8)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_max_tokens_is_checked_against_the_room_left_in_the_context() -> None:
+    assert resolve_max_tokens(None, prompt_len=10, max_model_len=64, default=16) == 16
+    assert resolve_max_tokens(None, prompt_len=60, max_model_len=64, default=16) == 4
+    assert resolve_max_tokens(None, prompt_len=10, max_model_len=64, default=None) == 54
+    assert resolve_max_tokens(54, prompt_len=10, max_model_len=64, default=16) == 54
+    with pytest.raises(InvalidRequestError, match="lower max_tokens to at most 54") as info:
+        resolve_max_tokens(55, prompt_len=10, max_model_len=64, default=16)
+    assert info.value.param == "max_tokens"
+
+
+def test_unknown_model_is_not_found() -> None:
+    check_model(None, "tiny")
+    check_model("tiny", "tiny")
+    with pytest.raises(ModelNotFoundError, match="serves 'tiny'") as info:
+        check_model("gpt-9", "tiny")
+    body = errors.openai_error_body(info.value)["error"]
+    assert (errors.http_status(info.value), body["code"], body["param"]) == (404, "model_not_found", "model")
+
+
+def test_request_ids() -> None:
+    assert check_request_id("abc-123_X") == "abc-123_X"
+    for bad in ("has space", "x" * 129, "é"):
+        with pytest.raises(InvalidRequestError, match="printable ASCII"):
+            check_request_id(bad)
+
+
+def test_grpc_fields() -> None:
+    req = parse_generate_fields("", None, [1, 2], {"max_tokens": 3, "temperature": 0.0}, Priority.BATCH)
+    assert req.model is None and req.prompt_token_ids == [1, 2] and req.max_tokens == 3
+    with pytest.raises(InvalidRequestError, match="either 'text' or 'token_ids'"):
+        parse_generate_fields("", None, None, {}, Priority.INTERACTIVE)
+    with pytest.raises(InvalidRequestError, match="at least 1"):
+        parse_generate_fields("", "hi", None, {"max_tokens": 0}, Priority.INTERACTIVE)
+
+
+# ------------------------------------------------------------ error mapping
+@pytest.mark.parametrize("exc, http, code", [
+    (InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.RequestTooLargeError("x"), 413, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelNotFoundError("x"), 404, grpc.StatusCode.NOT_FOUND),
+    (OverloadedError("x", retry_after_s=2.5), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AuthenticationError("x"), 401, grpc.StatusCode.UNAUTHENTICATED),
+    (DeadlineExceededError("x"), 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WorkerUnavailableError("x"), 503, grpc.StatusCode.UNAVAILABLE),
+    (PdserveError("x"), 500, grpc.StatusCode.INTERNAL),
+    (RuntimeError("secret internals"), 500, grpc.StatusCode.INTERNAL),
+])
+def test_each_error_maps_to_one_grpc_and_one_http_status(exc, http, code) -> None:
+    assert errors.http_status(exc) == http
+    assert errors.grpc_status_code(exc) is code
+    body = errors.openai_error_body(exc)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "secret" not in body["error"]["message"]
+
+
+def test_overload_tells_when_to_retry() -> None:
+    exc = OverloadedError("full", retry_after_s=2.5)
+    assert errors.retry_after_seconds(exc) == 3
+    assert errors.grpc_trailing_metadata(exc) == (("retry-after-ms", "2500"),)
+    assert errors.openai_error_body(exc)["error"]["code"] == "rate_limit_exceeded"
+    assert errors.retry_after_seconds(InvalidRequestError("x")) is None
+
+
+# ---------------------------------------------------------------------- auth
+def test_api_keys() -> None:
+    ApiKeyAuth().check(None)  # no keys configured: open
+    auth = ApiKeyAuth(["k1", " k2 ", ""])
+    auth.check("Bearer k1")
+    auth.check("bearer k2")
+    for header, words in ((None, "missing API key"), ("k1", "malformed"), ("Bearer ", "malformed"),
+                          ("Bearer k3", "invalid API key"), ("Basic k1", "malformed")):
+        with pytest.raises(AuthenticationError, match=words):
+            auth.check(header)
