@@ -168,3 +168,5 @@ class WorkerPool:
             v.num_free_blocks = int(stats.get("num_free_blocks", v.num_free_blocks))
             v.num_running = int(stats.get("num_running", 0))
             v.num_waiting = int(stats.get("num_waiting", 0))
+            v.started_at = float(stats.get("started_at", v.started_at))
+            v.stats = stats

@@ -1,0 +1,211 @@
+"""Owns the worker actors of both pools: starts the initial replicas, adds and drains replicas
+when the planner says so, and replaces dead workers to keep each pool at its minimum.
+
+Scaling down never loses a request: the worker is marked draining (the router sends it
+nothing new), waits until it holds no request, and only then is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
+from pdserve.cluster.workers import WorkerHandle, start_worker, stop_worker
+from pdserve.engine.config import EngineMode
+from pdserve.router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(slots=True)
+class PoolRecord:
+    role: str
+    handles: dict[str, WorkerHandle] = field(default_factory=dict)
+    pending: int = 0
+    draining: set[str] = field(default_factory=set)
+    last_scale_up_at: float | None = None
+    last_scale_down_at: float | None = None
+
+
+class PoolManager:
+    def __init__(self, config: ClusterConfig, pool: WorkerPool, *, namespace: str | None = None,
+                 detached: bool = False, ready_timeout_s: float = 300.0) -> None:
+        self.config = config
+        self.pool = pool
+        self.namespace = namespace
+        self.detached = detached
+        self.ready_timeout_s = ready_timeout_s
+        self.pools = {role: PoolRecord(role) for role in ROLES}
+        self.planner = Planner(config.planner_policy())
+        self.decisions: list[PlannerDecision] = []
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()
+        self._prev_stats: dict[str, tuple[float, dict]] = {}
+
+    # --------------------------------------------------------------- replicas
+    def _new_id(self, role: str) -> str:
+        return f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+
+    async def start_initial(self) -> None:
+        counts = {r: self.config.pool(r).initial_replicas or 0 for r in ROLES}
+        await asyncio.gather(*(self.add_replica(r) for r in ROLES for _ in range(counts[r])))
+
+    async def add_replica(self, role: str) -> str:
+        """Start one worker, wait until it answers, connect its NIXL agent to the other pool."""
+        settings = self.config.pool(role)
+        mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
+        worker_id = self._new_id(role)
+        record = self.pools[role]
+        record.pending += 1
+        try:
+            handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
+                                  num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                                  resources=settings.resources, namespace=self.namespace,
+                                  detached=self.detached)
+            handle.metadata = await asyncio.wait_for(handle.actor.metadata.remote(), self.ready_timeout_s)
+            other = "decode" if role == "prefill" else "prefill"
+            peers = list(self.pools[other].handles.values())
+            await asyncio.gather(*(handle.actor.add_peer.remote(p.metadata) for p in peers))
+            await asyncio.gather(*(p.actor.add_peer.remote(handle.metadata) for p in peers))
+        except BaseException:
+            record.pending -= 1
+            logger.exception("could not start a %s worker", role)
+            raise
+        record.pending -= 1
+        record.handles[worker_id] = handle
+        self.pool.add(worker_id, role, handle.actor)
+        logger.info("%s worker %s is serving", role, worker_id)
+        return worker_id
+
+    async def drain_and_remove(self, worker_id: str, timeout_s: float = 600.0) -> bool:
+        """Stop routing to a worker, wait until it holds no request, then stop it."""
+        role = self._role_of(worker_id)
+        if role is None:
+            return False
+        record = self.pools[role]
+        record.draining.add(worker_id)
+        self.pool.set_draining(worker_id)
+        handle = record.handles[worker_id]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                stats = await asyncio.wait_for(handle.actor.stats.remote(), 10.0)
+                busy = (stats.get("num_running", 0) + stats.get("num_waiting", 0)
+                        + stats.get("in_flight", 0) + stats.get("reservations", 0))
+                view = self.pool.members.get(worker_id)
+                if busy == 0 and (view is None or view.view.inflight_requests == 0):
+                    break
+                await asyncio.sleep(0.2)
+        except Exception as exc:
+            logger.warning("draining %s: %s", worker_id, exc)
+        await self._stop(worker_id)
+        return True
+
+    async def _stop(self, worker_id: str) -> None:
+        role = self._role_of(worker_id)
+        if role is None:
+            return
+        record = self.pools[role]
+        handle = record.handles.pop(worker_id)
+        record.draining.discard(worker_id)
+        self.pool.remove(worker_id)
+        await asyncio.to_thread(stop_worker, handle)
+        logger.info("%s worker %s stopped", role, worker_id)
+
+    async def handle_lost(self, worker_id: str) -> None:
+        """A worker died: forget it and start a replacement if its pool fell below the minimum."""
+        role = self._role_of(worker_id)
+        if role is None:
+            return
+        record = self.pools[role]
+        record.handles.pop(worker_id, None)
+        record.draining.discard(worker_id)
+        self.pool.remove(worker_id)
+        live = len(record.handles) + record.pending
+        if live < self.config.pool(role).min_replicas:
+            logger.warning("%s pool below its minimum after %s died: starting a replacement", role, worker_id)
+            await self.add_replica(role)
+
+    def _role_of(self, worker_id: str) -> str | None:
+        for role, record in self.pools.items():
+            if worker_id in record.handles:
+                return role
+        return None
+
+    # ---------------------------------------------------------------- planner
+    def metrics(self, now_wall: float) -> list[WorkerMetrics]:
+        out = []
+        warmup = self.config.planner.warmup_s
+        for role, record in self.pools.items():
+            for wid in record.handles:
+                member = self.pool.members.get(wid)
+                if member is None or not member.view.alive:
+                    continue
+                v = member.view
+                stats = v.stats
+                rate = self._prefill_rate(wid, now_wall, stats) if role == "prefill" else None
+                kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
+                out.append(WorkerMetrics(
+                    worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
+                    started_at=v.started_at, queued_prompt_tokens=v.inflight_tokens,
+                    running_seqs=v.num_running, waiting_seqs=v.num_waiting,
+                    kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
+                    draining=wid in record.draining))
+        return out
+
+    def _prefill_rate(self, wid: str, now: float, stats: dict) -> float | None:
+        prev = self._prev_stats.get(wid)
+        self._prev_stats[wid] = (now, dict(stats))
+        if prev is None or now <= prev[0]:
+            return None
+        done = stats.get("prompt_tokens_computed", 0) - prev[1].get("prompt_tokens_computed", 0)
+        return done / (now - prev[0]) if done > 0 else None
+
+    def pool_states(self) -> list[PoolState]:
+        states = []
+        for role, record in self.pools.items():
+            s = self.config.pool(role)
+            states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
+                                    min_replicas=s.min_replicas, max_replicas=s.max_replicas or s.min_replicas,
+                                    max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
+                                    last_scale_up_at=record.last_scale_up_at,
+                                    last_scale_down_at=record.last_scale_down_at))
+        return states
+
+    async def plan_once(self) -> list[PlannerDecision]:
+        """One planner decision per pool, acted upon (scale-ups wait for readiness)."""
+        async with self._lock:
+            now = time.time()
+            decisions = self.planner.decide(now, self.pool_states(), self.metrics(now))
+            self.decisions = decisions
+            actions = []
+            for d in decisions:
+                role = str(d.role)
+                if d.action is ScaleAction.SCALE_UP:
+                    self.pools[role].last_scale_up_at = now
+                    n = d.target_replicas - d.current_replicas
+                    logger.info("planner: %s +%d (%s)", role, n, d.reason)
+                    actions.extend(self.add_replica(role) for _ in range(max(0, n)))
+                elif d.action is ScaleAction.SCALE_DOWN and d.drain_worker_id:
+                    self.pools[role].last_scale_down_at = now
+                    logger.info("planner: %s drain %s (%s)", role, d.drain_worker_id, d.reason)
+                    actions.append(self.drain_and_remove(d.drain_worker_id))
+            if actions:
+                results = await asyncio.gather(*actions, return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException):
+                        logger.error("planner action failed: %s", r)
+            return decisions
+
+    async def shutdown(self) -> None:
+        for record in self.pools.values():
+            for wid in list(record.handles):
+                await self._stop(wid)
