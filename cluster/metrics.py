@@ -2,8 +2,8 @@
 
 Core code returns stats (``EngineStats``, ``PhaseRecord``, ``PlannerDecision``); the recorders here
 (``EngineMetrics``, ``RouterMetrics``, ``PlannerMetrics``) turn them into metrics. ``METRICS`` is the
-catalogue: every name, type, label set and bucket list, the single source for ``docs/metrics.md``
-and the Grafana dashboard's tests.
+catalogue: every name, type, label set and bucket list (``docs/metrics.md`` and the Grafana
+dashboard are checked against it by ``tests/unit/test_grafana.py``).
 
 Naming: vLLM's name where one exists, under ``pdserve_`` instead of ``vllm:`` (Ray refuses ``:``),
 with a unit suffix (``_seconds``, ``_bytes``, ``_total`` on every counter). Ray's node exporter
@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 RAY_EXPORT_PREFIX = "ray_"
 ENGINE_ROLES = ("prefill", "decode", "both")
 FINISH_REASONS = ("stop", "length", "abort", "error", "prefilled")
+GAUGE_REFRESH_S = 1.0
 
 # Buckets sized for CPU serving: TTFT from 1 ms to a minute, whole requests up to 10 minutes.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -139,11 +141,18 @@ _SPECS = {m.name: m for m in METRICS}
 
 
 class _Instruments:
-    """The process's Ray metric objects, one per ``MetricSpec``, created on first use."""
+    """The process's Ray metric objects, one per ``MetricSpec``, created on first use.
+
+    Ray's OpenTelemetry export drops a gauge series that is not set again within two report
+    intervals (20 s by default), so a daemon thread sets the last value of every gauge series
+    again every ``GAUGE_REFRESH_S`` until ``forget`` drops it or the process ends.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._objects: dict[str, Any] = {}
+        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._refresher: threading.Thread | None = None
 
     def get(self, name: str) -> Any:
         obj = self._objects.get(name)
@@ -153,6 +162,33 @@ class _Instruments:
                 if obj is None:
                     obj = self._objects[name] = _create(_SPECS[name])
         return obj
+
+    def set_gauge(self, name: str, value: float, tags: dict[str, str]) -> None:
+        with self._lock:
+            self._gauges[(name, tuple(sorted(tags.items())))] = value
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh_forever, daemon=True,
+                                                   name="pdserve-gauge-refresh")
+                self._refresher.start()
+        self.get(name).set(value, tags)
+
+    def forget(self, tags: Mapping[str, str]) -> None:
+        """Stop refreshing the gauge series that carry all of ``tags``; Ray drops them soon after."""
+        wanted = set(tags.items())
+        with self._lock:
+            for key in [k for k in self._gauges if wanted <= set(k[1])]:
+                del self._gauges[key]
+
+    def _refresh_forever(self) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            with self._lock:
+                snapshot = list(self._gauges.items())
+            try:
+                for (name, tags), value in snapshot:
+                    self.get(name).set(value, dict(tags))
+            except Exception:  # keep refreshing the others; the error is logged, not hidden
+                logger.exception("refreshing pdserve gauges failed")
 
 
 def _create(spec: MetricSpec) -> Any:
@@ -173,7 +209,7 @@ def _inc(name: str, value: float, tags: dict[str, str]) -> None:
 
 
 def _set(name: str, value: float, tags: dict[str, str]) -> None:
-    _INSTRUMENTS.get(name).set(float(value), tags)
+    _INSTRUMENTS.set_gauge(name, float(value), tags)
 
 
 def _observe(name: str, value: float | None, tags: dict[str, str]) -> None:
@@ -299,6 +335,10 @@ class EngineMetrics:
     def observe_transfer_failure(self) -> None:
         _inc("pdserve_kv_transfer_failures_total", 1, self.tags)
 
+    def close(self) -> None:
+        """Stop publishing this engine's gauges (the worker is leaving but the process stays)."""
+        _INSTRUMENTS.forget(self.tags)
+
 
 class RouterMetrics:
     """Request metrics as the client sees them, labelled ``role="router"``."""
@@ -318,6 +358,9 @@ class RouterMetrics:
         _set("pdserve_num_requests_running", running, self.tags)
         _set("pdserve_num_requests_waiting", waiting, self.tags)
 
+    def close(self) -> None:
+        _INSTRUMENTS.forget(self.tags)
+
 
 class PlannerMetrics:
     """The planner's decisions and each pool's replicas, labelled ``role="planner"``."""
@@ -335,3 +378,6 @@ class PlannerMetrics:
             known.setdefault(tags["pool"], d.current_replicas)
         for pool, n in known.items():
             _set("pdserve_pool_replicas", n, {"role": "planner", "pool": pool})
+
+    def close(self) -> None:
+        _INSTRUMENTS.forget({"role": "planner"})

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.cluster.ray_env import use_loopback
+
+    use_loopback()  # before anything imports ray
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

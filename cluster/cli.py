@@ -1,0 +1,151 @@
+"""The operator subcommands: up, status, down, demo, config, requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdserve.cluster.config import ClusterConfig
+
+
+def load_cli_config(config_path: str | None, model: str | None, overrides: list[str]) -> ClusterConfig:
+    from pdserve.cluster.config import apply_env, apply_overrides, config_from_model, load_config
+    from pdserve.engine.errors import InvalidRequestError
+
+    if bool(config_path) == bool(model):
+        raise InvalidRequestError("give exactly one of -c/--config FILE or --model DIR")
+    config = load_config(config_path) if config_path else config_from_model(model)
+    parsed = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequestError(f"--set takes KEY=VALUE (e.g. router.http_port=8001), got {item!r}")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    if parsed:
+        config = apply_overrides(config, parsed, source="command line")
+    return apply_env(config)
+
+
+def _add_config_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="cluster config YAML (see `pdserve config schema`)")
+    p.add_argument("--model", help="local HF model directory (no config file needed)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set router.http_port=8001 (repeatable)")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pdserve.cluster import launcher
+
+    load_cli_config(args.config, args.model, args.set)  # fail fast on a bad config, before forking
+    return launcher.up(args.config, args.model, args.set, args.foreground, args.timeout)
+
+
+def _head(args: argparse.Namespace) -> int:
+    import logging
+
+    from pdserve.cluster import launcher
+
+    logging.getLogger().setLevel(logging.INFO)
+    return launcher.run_head(load_cli_config(args.config, args.model, args.set))
+
+
+def _down(args: argparse.Namespace) -> int:
+    from pdserve.cluster import launcher
+
+    return launcher.down(args.timeout)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from pdserve.cluster import launcher
+
+    status = launcher.fetch_status()
+    if status is None:
+        print("pdserve is not up")
+        return 1
+    print(json.dumps(status, indent=2) if args.json else launcher.format_status(status))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import config_to_yaml, json_schema
+
+    if args.action == "schema":
+        print(json.dumps(json_schema(), indent=2))
+    else:
+        config = load_cli_config(args.config, args.model, args.set)
+        print(config_to_yaml(config) if args.action == "show" else "config OK")
+    return 0
+
+
+def _requests(args: argparse.Namespace) -> int:
+    from pdserve.cluster import launcher
+    from pdserve.cluster.request_log import RequestLog
+
+    url = args.redis_url or (launcher.read_state() or {}).get("redis_url")
+    if not url:
+        print("pdserve is not up; pass --redis-url", file=sys.stderr)
+        return 1
+    log = RequestLog(url)
+    records = log.follow(from_start=False) if args.follow else log.tail(args.count)
+    for rec in records:
+        print(json.dumps(rec) if args.json else _format_request(rec), flush=True)
+    return 0
+
+
+def _format_request(r: dict) -> str:
+    ttft = r.get("ttft_s")
+    return (f"{r.get('request_id', '?'):40s} {r.get('finish_reason', '?'):7s} "
+            f"prompt {r.get('prompt_tokens', 0):5d} (cached {r.get('cached_prompt_tokens', 0):5d}) "
+            f"out {r.get('output_tokens', 0):5d}  ttft {'-' if ttft is None else f'{ttft:.3f}s'}  "
+            f"total {r.get('total_s', 0):.3f}s  kv {r.get('kv_bytes', 0) / 1e6:.2f}MB/{r.get('kv_transfer_s', 0):.4f}s  "
+            f"P={r.get('prefill_worker', '')} D={r.get('decode_worker', '')} attempts {r.get('attempts', 1)}"
+            + (f"  error: {r['error']}" if r.get("error") else ""))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pdserve.cluster.demo import run_demo
+
+    return run_demo(args)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start Ray (or join one), Redis, the router and both worker pools")
+    _add_config_source(p)
+    p.add_argument("--foreground", action="store_true", help="run the head in this process until Ctrl-C")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the pools to be ready")
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("_head", help=argparse.SUPPRESS)
+    _add_config_source(p)
+    p.set_defaults(func=_head)
+
+    p = sub.add_parser("down", help="drain and stop everything `pdserve up` started")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.set_defaults(func=_down)
+
+    p = sub.add_parser("status", help="pools, workers, KV usage, queues, tokens/s, prefix hit rate")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_status)
+
+    p = sub.add_parser("config", help="print the config schema, or check/show a config")
+    p.add_argument("action", choices=["schema", "show", "check"])
+    _add_config_source(p)
+    p.set_defaults(func=_config)
+
+    p = sub.add_parser("requests", help="the request log: each finished request's phase record")
+    p.add_argument("action", choices=["tail"])
+    p.add_argument("-n", "--count", type=int, default=20)
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--redis-url", help="default: the running cluster's")
+    p.set_defaults(func=_requests)
+
+    p = sub.add_parser("demo", help="up on the small model, a few streamed requests with phase records, down")
+    p.add_argument("--model", help="model directory (default: the generated `small` test model)")
+    p.add_argument("--preset", default="small", help="test model preset when --model is not given")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.set_defaults(func=_demo)

@@ -1,0 +1,263 @@
+"""``pdserve up`` / ``status`` / ``down``: one head process per machine that owns the cluster.
+
+``up`` starts the head (this module's ``run_head``) as a background process and returns once
+every pool has its initial replicas serving and ``/health`` answers OK. The head starts (or
+joins) Ray with node IP 127.0.0.1, starts the embedded Redis when no URL is configured, and
+runs the router service. It writes ``state.json`` (endpoints, pid, Redis URL) in the state
+directory and publishes its status to Redis every second, which is what ``status`` reads.
+``down`` asks the head to stop (SIGTERM): it stops taking requests, lets in-flight ones finish
+(bounded), stops the workers, Redis and Ray it started, and removes the state file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
+
+logger = logging.getLogger(__name__)
+
+STATUS_KEY = "pdserve:status"
+DRAIN_TIMEOUT_S = 30.0
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_STATE_DIR", Path.home() / ".pdserve"))
+
+
+def state_file() -> Path:
+    return state_dir() / "state.json"
+
+
+def read_state() -> dict | None:
+    try:
+        return json.loads(state_file().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------- the head process
+async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None, write_state: bool = True) -> dict:
+    """Run the head until ``stop`` is set (or SIGTERM/SIGINT); ``ready`` is set once serving."""
+    use_loopback()
+    import ray
+
+    from pdserve.cluster.redis_server import EmbeddedRedis, connect
+    from pdserve.cluster.router_service import RouterService
+
+    started_ray = False
+    if not ray.is_initialized():
+        kwargs: dict = {"namespace": config.ray.namespace, "log_to_driver": False}
+        if config.ray.address:
+            kwargs["address"] = config.ray.address
+        else:
+            started_ray = True
+            kwargs.update(_node_ip_address=config.ray.node_ip_address, num_cpus=config.ray.num_cpus,
+                          include_dashboard=config.ray.include_dashboard, dashboard_host=LOOPBACK_IP,
+                          dashboard_port=config.ray.dashboard_port)
+        ray.init(**kwargs)
+    redis_server = None
+    redis_url = config.redis.url
+    if redis_url is None:
+        password = config.redis.password.get_secret_value() if config.redis.password else None
+        redis_server = EmbeddedRedis(password=password, data_dir=config.redis.data_dir).start()
+        redis_url = redis_server.url
+    service = RouterService(config, redis_url=redis_url, namespace=config.ray.namespace)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    client = connect(redis_url)
+    state: dict = {}
+    try:
+        endpoints = await service.start()
+        state = {"pid": os.getpid(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
+                 "redis_url": redis_url, "ray_address": ray.get_runtime_context().gcs_address,
+                 "dashboard": _dashboard_url(), "model": config.model.served_name, "started_at": time.time()}
+        if write_state:
+            state_dir().mkdir(parents=True, exist_ok=True)
+            tmp = state_file().with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=2))
+            tmp.replace(state_file())
+        serve.state = state  # type: ignore[attr-defined]
+        if ready is not None:
+            ready.set()
+        while not stop.is_set():
+            await asyncio.to_thread(client.set, STATUS_KEY, json.dumps(service.status()), ex=10)
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        logger.info("stopping: draining in-flight requests")
+        await _drain(service)
+    finally:
+        await service.stop()
+        try:
+            client.delete(STATUS_KEY)
+        except Exception:
+            pass
+        if redis_server is not None:
+            redis_server.stop()
+        if started_ray:
+            ray.shutdown()
+        st = read_state()
+        if write_state and st and st.get("pid") == os.getpid():
+            state_file().unlink(missing_ok=True)
+    return state
+
+
+async def _drain(service) -> None:
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    for s in service._servers:
+        await s.stop()
+    service._servers = []
+    while time.monotonic() < deadline and service.backend is not None and service.backend._active:
+        await asyncio.sleep(0.1)
+
+
+def _dashboard_url() -> str | None:
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        url = getattr(ctx, "dashboard_url", None) or ray.worker.get_dashboard_url()
+        return f"http://{url}" if url and not url.startswith("http") else url
+    except Exception:
+        return None
+
+
+def run_head(config: ClusterConfig) -> int:
+    """The head in the foreground (``pdserve up --foreground``, and the background child)."""
+    asyncio.run(serve(config))
+    return 0
+
+
+# ------------------------------------------------------------------------------ the commands
+def up(config_path: str | None, model: str | None, overrides: list[str], foreground: bool,
+       timeout_s: float = 600.0) -> int:
+    st = read_state()
+    if st and _pid_alive(int(st["pid"])):
+        print(f"pdserve is already up (pid {st['pid']}): HTTP {st['http']}, gRPC {st['grpc']}")
+        return 1
+    args = [sys.executable, "-m", "pdserve.cli", "_head"]
+    if config_path:
+        args += ["-c", config_path]
+    if model:
+        args += ["--model", model]
+    for o in overrides:
+        args += ["--set", o]
+    if foreground:
+        from pdserve.cluster.cli import load_cli_config
+
+        return run_head(load_cli_config(config_path, model, overrides))
+    state_dir().mkdir(parents=True, exist_ok=True)
+    log_path = state_dir() / "head.log"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    print(f"starting pdserve (pid {proc.pid}, log {log_path}) ...", flush=True)
+    deadline = time.monotonic() + timeout_s
+    last_note = 0.0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(f"pdserve: error: the head exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            print("\n".join(tail), file=sys.stderr)
+            return 1
+        st = read_state()
+        if st and st.get("pid") == proc.pid and _healthy(st["http"]):
+            print(f"pdserve is up: HTTP {st['http']}  gRPC {st['grpc']}  model {st['model']}")
+            if st.get("dashboard"):
+                print(f"Ray dashboard: {st['dashboard']}")
+            return 0
+        if time.monotonic() - last_note > 10:
+            last_note = time.monotonic()
+            print("  waiting for the workers to load the model and report ready ...", flush=True)
+        time.sleep(0.5)
+    print(f"pdserve: error: not healthy after {timeout_s:.0f} s; see {log_path}", file=sys.stderr)
+    return 1
+
+
+def _healthy(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(http_url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+def down(timeout_s: float = 120.0) -> int:
+    st = read_state()
+    if not st:
+        print("pdserve is not up (no state file)")
+        return 0
+    pid = int(st["pid"])
+    if not _pid_alive(pid):
+        state_file().unlink(missing_ok=True)
+        print("pdserve was not running; removed its stale state")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    print(f"stopping pdserve (pid {pid}): draining requests, stopping workers ...", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _pid_alive(pid):
+        time.sleep(0.3)
+    if _pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        print("pdserve: the head did not stop in time and was killed", file=sys.stderr)
+    state_file().unlink(missing_ok=True)
+    print("pdserve is down")
+    return 0
+
+
+def fetch_status() -> dict | None:
+    st = read_state()
+    if not st:
+        return None
+    from pdserve.cluster.redis_server import connect
+
+    raw = connect(st["redis_url"], retries=2).get(STATUS_KEY)
+    status = json.loads(raw) if raw else {}
+    status["state"] = st
+    return status
+
+
+def format_status(status: dict) -> str:
+    st = status.get("state", {})
+    lines = [f"pdserve  model {st.get('model')}  HTTP {st.get('http')}  gRPC {st.get('grpc')}",
+             f"uptime {status.get('uptime_s', 0):.0f} s  retries {status.get('retries', 0)}  "
+             f"migrations {status.get('migrations', 0)}"]
+    for role, p in status.get("pools", {}).items():
+        lines.append(f"pool {role:8s} replicas {p['replicas']}  pending {p['pending']}  draining {len(p['draining'])}")
+    lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} {'hit':>6s}")
+    for w in status.get("workers", []):
+        state = "draining" if w["draining"] else ("up" if w["alive"] else "dead")
+        lines.append(f"{w['worker_id']:24s} {w['role']:8s} {state:9s} {w['kv_usage'] * 100:5.1f}% {w['running']:4d} "
+                     f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}%")
+    for d in status.get("planner", []):
+        lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
+    return "\n".join(lines)
