@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 class _LoggedBackend:
     """Appends every finished request's record to the Redis request log (``pdserve requests tail``)."""
 
-    def __init__(self, inner: DisaggBackend, log: RequestLog | None) -> None:
+    def __init__(self, inner: DisaggBackend, log: RequestLog | None, metrics=None) -> None:
         self._inner = inner
         self._log = log
+        self._metrics = metrics
 
     def model_info(self) -> ModelInfo:
         return self._inner.model_info()
@@ -50,6 +51,11 @@ class _LoggedBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         async for item in self._inner.generate(req):
+            if isinstance(item, Finished) and self._metrics is not None:
+                try:
+                    self._metrics.observe_request(item.phase)
+                except Exception:
+                    logger.exception("router metrics failed")
             if isinstance(item, Finished) and self._log is not None:
                 record = {"request_id": req.request_id, "finish_reason": item.finish_reason,
                           "error": str(item.error) if item.error else None, "priority": req.priority.name.lower(),
@@ -86,6 +92,7 @@ class RouterService:
         self._tasks: list[asyncio.Task] = []
         self.endpoints: Endpoints | None = None
         self.started_at = time.time()
+        self._rate_prev: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> Endpoints:
@@ -104,7 +111,11 @@ class RouterService:
                                      call_timeout_s=cfg.router.request_timeout_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
-        self.serving = Serving(_LoggedBackend(self.backend, self.request_log), admission=admission)
+        from pdserve.cluster.metrics import PlannerMetrics, RouterMetrics
+
+        self.metrics = RouterMetrics(info.name)
+        self.planner_metrics = PlannerMetrics()
+        self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics), admission=admission)
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router
@@ -187,11 +198,22 @@ class RouterService:
         while True:
             await asyncio.sleep(self.config.planner.interval_s)
             try:
-                await self.manager.plan_once()
+                decisions = await self.manager.plan_once()
+                self.planner_metrics.observe(decisions, {r: len(p.handles) for r, p in self.manager.pools.items()})
             except Exception:
                 logger.exception("planner pass failed")
 
     # ---------------------------------------------------------------- status
+    def _tokens_per_s(self, wid: str, stats: dict) -> float:
+        """Tokens/s a worker produced since the previous status call (generated, or prompt for prefill)."""
+        key = "prompt_tokens_computed" if stats.get("role") == "prefill" else "generated_tokens"
+        now, count = time.monotonic(), float(stats.get(key, 0))
+        prev = self._rate_prev.get(wid)
+        self._rate_prev[wid] = (now, count)
+        if prev is None or now <= prev[0]:
+            return 0.0
+        return max(0.0, (count - prev[1]) / (now - prev[0]))
+
     def status(self) -> dict:
         workers = []
         for wid, m in self.pool.members.items():
@@ -201,6 +223,7 @@ class RouterService:
                             "running": v.num_running, "waiting": v.num_waiting,
                             "prefix_hit_rate": v.stats.get("prefix_hit_rate", 0.0),
                             "generated_tokens": v.stats.get("generated_tokens", 0),
+                            "tokens_per_s": self._tokens_per_s(wid, v.stats),
                             "inflight_requests": v.inflight_requests})
         return {
             "endpoints": {"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},

@@ -27,14 +27,13 @@ class WorkerHandle:
 
 
 def _actor_class(role: str) -> type:
+    """The worker service class of a role, with Ray metrics (see ``cluster/metered.py``)."""
+    from pdserve.cluster.metered import MeteredDecodeWorker, MeteredPrefillWorker
+
     if role == "prefill":
-        from pdserve.prefill_worker.worker import PrefillWorker
-
-        return PrefillWorker
+        return MeteredPrefillWorker
     if role == "decode":
-        from pdserve.decode_worker.worker import DecodeWorker
-
-        return DecodeWorker
+        return MeteredDecodeWorker
     raise ValueError(f"unknown worker role {role!r}")
 
 

@@ -60,6 +60,9 @@ class EngineStats:
     steps: int
     generated_tokens: int
     prompt_tokens_computed: int
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class LLMEngine:
@@ -323,6 +326,9 @@ class LLMEngine:
             steps=self._steps,
             generated_tokens=self._generated,
             prompt_tokens_computed=self._prompt_computed,
+            prefix_query_tokens=bm.prefix_query_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions_total,
         )
 
     def generate(

@@ -43,6 +43,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join another Ray that happens to run on this machine
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
             num_cpus=8,

@@ -1,0 +1,82 @@
+"""Worker actor classes that also publish Ray metrics (``cluster/metrics.py``) from inside the
+worker process. The worker services themselves stay free of Ray; this module adds metrics by
+subclassing them where their outputs pass through."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.sequence import PhaseRecord
+from pdserve.kv_transfer.engine_layout import model_identity
+from pdserve.prefill_worker.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+
+
+class _Publisher:
+    """Pushes the engine's stats into the metrics every second, on its own thread."""
+
+    def __init__(self, worker, role: str) -> None:
+        from pdserve.cluster.metrics import EngineMetrics
+
+        model = worker.engine.config.model_dir.rstrip("/").rsplit("/", 1)[-1] or model_identity(
+            worker.engine.config.model_dir)
+        self.metrics = EngineMetrics(role, worker.worker_id, model)
+        self._worker = worker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(STATS_INTERVAL_S):
+            try:
+                self.metrics.update_engine(self._worker.engine.stats())
+            except Exception:
+                logger.exception("metrics update failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.metrics.close()
+
+
+class MeteredPrefillWorker(PrefillWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._publisher = _Publisher(self, "prefill")
+
+    def _resolve(self, job) -> None:  # every request ends here, on the loop thread
+        result = job.result
+        if result is not None:
+            m = self._publisher.metrics
+            if result.kv_bytes:
+                m.observe_transfer(result.kv_bytes, result.kv_transfer_s)
+            elif result.finish_reason == "error" and "transfer" in (result.error or ""):
+                m.observe_transfer_failure()
+        super()._resolve(job)
+
+    def shutdown(self) -> None:
+        self._publisher.stop()
+        super().shutdown()
+
+
+class MeteredDecodeWorker(DecodeWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._publisher = _Publisher(self, "decode")
+
+    def _publish(self, outputs) -> None:  # every step's outputs pass through here
+        for out in outputs:
+            if out.finished and isinstance(out.phase, PhaseRecord):
+                try:
+                    self._publisher.metrics.observe_finished(out.phase)
+                except Exception:
+                    logger.exception("metrics observe failed")
+        super()._publish(outputs)
+
+    def shutdown(self) -> None:
+        self._publisher.stop()
+        super().shutdown()
