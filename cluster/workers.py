@@ -4,6 +4,7 @@ NIXL agents together. Only this module and the rest of ``cluster/`` touch Ray.""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,11 @@ def start_worker(
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    runtime_env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}}
+    env_vars = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        # A loopback-only (single machine) cluster: keep UCX's control traffic on lo as well.
+        env_vars["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
+    runtime_env = {"env_vars": {**env_vars, **(env or {})}}
     options["runtime_env"] = runtime_env
     cls = ray.remote(_actor_class(role))
     actor = cls.options(**options).remote(worker_id, engine_config, transfer_timeout_s=transfer_timeout_s,

@@ -106,6 +106,10 @@ class KVAgent:
                 self._live().remove_remote_agent(name)
                 raise KVTransferError(f"metadata names agent {info.name} but NIXL loaded {name}")
             self._peers[name] = info
+            try:  # connect now rather than inside the first transfer
+                self._nixl.make_connection(name)
+            except Exception as exc:  # NIXL binding error; the first write retries anyway
+                logger.warning("KV agent %s could not pre-connect to %s: %s", self.name, name, exc)
         logger.info("KV agent %s added peer %s (%d blocks)", self.name, name,
                     info.layout.num_blocks)
         return name
@@ -141,9 +145,12 @@ class KVAgent:
                            for r in runs], dtype=np.uint64)
         with self._lock:
             nixl = self._live()
-            handle = nixl.initialize_xfer(
-                "WRITE", nixl.get_xfer_descs(local, "DRAM"), nixl.get_xfer_descs(remote, "DRAM"),
-                peer, notif.to_bytes())
+            try:
+                handle = nixl.initialize_xfer(
+                    "WRITE", nixl.get_xfer_descs(local, "DRAM"),
+                    nixl.get_xfer_descs(remote, "DRAM"), peer, notif.to_bytes())
+            except Exception as exc:  # NIXL binding errors (e.g. NIXL_ERR_NOT_FOUND)
+                raise KVTransferError(f"NIXL could not prepare a write to {peer}: {exc}") from exc
             self._open_handles.add(id(handle))
             status = nixl.transfer(handle)
         if status == "ERR":

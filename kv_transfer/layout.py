@@ -71,7 +71,7 @@ class KVLayout:
         return self.block_bytes * self.num_blocks
 
     def compat_hash(self) -> str:
-        """Hex digest of everything but ``num_blocks``: equal hashes mean blocks are interchangeable."""
+        """Digest of everything but ``num_blocks``: equal hashes mean interchangeable blocks."""
         fields = {name: getattr(self, name) for name in _COMPAT_FIELDS}
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -99,9 +99,10 @@ class KVLayout:
     def from_dict(cls, data: dict[str, object]) -> KVLayout:
         """Inverse of :meth:`to_dict`; raises ValueError on missing or bad fields."""
         try:
-            return cls(**{name: data[name] for name in (*_COMPAT_FIELDS, "num_blocks")})  # type: ignore[arg-type]
+            fields = {name: data[name] for name in (*_COMPAT_FIELDS, "num_blocks")}
         except KeyError as exc:
             raise ValueError(f"KV layout is missing field {exc.args[0]!r}") from None
+        return cls(**fields)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ class TransferParams:
                 f"{len(self.dst_blocks)}")
 
     def check_compatible(self, layout: KVLayout) -> None:
-        """Raise CompatibilityError unless these params were made for ``layout``'s protocol and hash."""
+        """Raise CompatibilityError unless made for this protocol and ``layout``'s hash."""
         if self.protocol_version != PROTOCOL_VERSION:
             raise CompatibilityError(
                 f"request {self.request_id}: protocol version {self.protocol_version} != "

@@ -32,7 +32,7 @@ from enum import Enum
 
 from pdserve.engine.errors import CompatibilityError, InvalidRequestError, KVTransferError
 from pdserve.kv_transfer.agent import KVAgent, PostedWrite
-from pdserve.kv_transfer.layout import coalesce_runs
+from pdserve.kv_transfer.layout import BlockRun, coalesce_runs
 from pdserve.kv_transfer.params import TransferParams, check_block_range
 from pdserve.kv_transfer.wire import Notif, NotifKind
 
@@ -97,8 +97,13 @@ class KVSender:
     def request_id(self) -> str:
         return self.params.request_id
 
-    def write(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Post one non-blocking write of ``src_blocks[i]`` into ``dst_blocks[i]``."""
+    def write(self, src_blocks: list[int], dst_blocks: list[int], *, coalesce: bool = True) -> None:
+        """Post one write of ``src_blocks[i]`` into ``dst_blocks[i]``.
+
+        Returns once NIXL has the write; it never waits for the receiver. (With UCX's cma
+        transport on one host the copy itself runs inside the post, in this thread.)
+        ``coalesce=False`` sends one descriptor per block (for benchmarks).
+        """
         if self.poll().terminal or self._finishing:
             raise KVTransferError(
                 f"request {self.request_id}: cannot write, sender is {self._state.value}"
@@ -116,15 +121,20 @@ class KVSender:
             [] if len(set(dst_blocks)) == len(dst_blocks) else ["(repeated in this write)"])
         if again:
             raise InvalidRequestError(f"dst blocks {again[:8]} already written")
-        runs = coalesce_runs(src_blocks, dst_blocks)
+        runs = (coalesce_runs(src_blocks, dst_blocks) if coalesce
+                else [BlockRun(s, d, 1) for s, d in zip(src_blocks, dst_blocks)])
         seq = self.stats.writes + 1
         notif = Notif(NotifKind.WRITE, self.request_id, seq=seq,
                       runs=tuple((r.dst_start, r.length) for r in runs))
-        posted = self._agent.post_write(self.params.dst_agent, runs, notif)
-        self._pending.append(posted)
-        self._written.update(dst_blocks)
         if self.stats.first_post_at is None:
             self.stats.first_post_at = time.perf_counter()
+        try:
+            posted = self._agent.post_write(self.params.dst_agent, runs, notif)
+        except KVTransferError as exc:
+            self._stop(SendState.FAILED, str(exc))
+            raise
+        self._pending.append(posted)
+        self._written.update(dst_blocks)
         self.stats.writes = seq
         self.stats.descriptors += posted.descriptors
         self.stats.blocks += len(dst_blocks)
