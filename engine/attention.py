@@ -1,14 +1,15 @@
 """Paged attention over the block-major KV cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``.
 
-The cache is addressed as rows of ``head_dim`` values (``kv_cache.view(-1, head_dim)``); row
-``((((block * L + layer) * 2 + kv) * block_size + offset) * kv_heads + head)``. A step's plan turns
-every sequence's block table into row indices once (for all layers at once), so each layer costs
-one ``index_put_`` (write the new K/V) plus one ``index_select`` per attention call (gather the
-context), with no Python loop over tokens or blocks.
+Writes address the cache as rows of ``kv_heads * head_dim`` values (``kv_cache.view(-1, kvh*D)``,
+row ``((block * L + layer) * 2 + kv) * block_size + offset``): one ``index_put_`` per layer stores
+every new token's K and V. Reads gather whole blocks: for layer ``l`` the K (or V) of one block is a
+contiguous ``[block_size, kv_heads, head_dim]`` slab, so ``index_select`` over a block table copies
+large contiguous pieces, and the result views as ``[seqs, positions, kv_heads, head_dim]`` without
+another copy. A step's plan turns block tables into index tensors once, for all layers.
 
 Rows of the flat token batch are ordered decodes first (one token each, attended together in one
-SDPA call, padded to the longest context and masked), then prefill chunks (one SDPA call each,
-over cached context + the chunk, causal with the mask offset by the chunk's start position).
+SDPA call, padded to the longest table and masked), then prefill chunks (one SDPA call each, over
+the cached context and the chunk, causal with the mask offset by the chunk's start position).
 Grouped-query attention never repeats K/V: queries are viewed as ``[.., kv_heads, group, ..]``.
 """
 
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 class _Prefill:
     row: int                 # first row of the chunk in the flat token batch
     num_tokens: int
-    gather: torch.Tensor     # [layers, 2 * kv_heads * ctx] cache rows (K then V, head-major)
-    ctx: int                 # start_pos + num_tokens
+    blocks: torch.Tensor     # [num_blocks_of_context] block ids
+    ctx: int                 # gathered positions (block-padded)
     mask: torch.Tensor       # [num_tokens * group, ctx] bool, True = may attend
 
 
@@ -33,105 +34,94 @@ class AttentionPlan:
     """Index tensors of one step; ``attend(layer, qkv)`` is called once per layer."""
 
     def __init__(self, cache: PagedKVCache, decodes: list[tuple[int, list[int]]],
-                 prefills: list[tuple[int, int, list[int]]], positions: torch.Tensor,
-                 tables: list[list[int]]) -> None:
-        self.cache = cache
-        c = cache
-        dev = c.flat.device
-        # Write indices for every new token: [layers, T, 2, kv_heads].
-        pos = positions
-        item_of_token = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(_lens(decodes, prefills)))
-        blk = _pad_tables(tables)[item_of_token, pos // c.block_size]
-        base = blk * c.s_block + (pos % c.block_size) * c.s_off
-        self.write = (base[None, :, None, None] + c.layer_kv_head[:, None]).to(dev)
-        self.num_decodes = len(decodes)
-        self.decode_gather: torch.Tensor | None = None
-        self.decode_mask: torch.Tensor | None = None
+                 prefills: list[tuple[int, int, list[int]]], positions: torch.Tensor) -> None:
+        self.cache = c = cache
+        dev, bs = c.device, c.block_size
+        tables = [t for _, t in decodes] + [t for _, _, t in prefills]
+        lens = [1] * len(decodes) + [n for _, n, _ in prefills]
+        item_of_token = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lens))
+        blk = _pad_tables(tables)[item_of_token, positions // bs]
+        base = blk * c.rows_per_block + positions % bs
+        self.write = (base[None, :, None] + c.layer_kv_rows[:, None, :]).to(dev)   # [L, T, 2]
+        self.num_decodes = b = len(decodes)
         if decodes:
             ctx = torch.tensor([p + 1 for p, _ in decodes])
-            s = int(ctx.max())
-            nb = -(-s // c.block_size)
-            bt = _pad_tables([t[:nb] for _, t in decodes], nb)
-            ar = torch.arange(s)
-            base = bt[:, ar // c.block_size] * c.s_block + (ar % c.block_size) * c.s_off   # [B, S]
-            idx = base[None, :, None, None, :] + c.layer_kv_head[:, None, :, :, None]       # [L, B, 2, H, S]
-            self.decode_gather = idx.reshape(c.num_layers, -1).to(dev)
-            self.decode_ctx = s
-            self.decode_mask = (ar[None, :] < ctx[:, None]).view(len(decodes), 1, 1, s).to(dev)
+            nb = -(-int(ctx.max()) // bs)
+            self.decode_blocks = _pad_tables([t[:nb] for _, t in decodes], nb).view(-1).to(dev)
+            self.decode_ctx = nb * bs
+            self.decode_mask = (torch.arange(nb * bs)[None, :] < ctx[:, None]).view(b, 1, 1, nb * bs).to(dev)
         self.prefills: list[_Prefill] = []
-        for row, start, n, table in _with_rows(prefills, len(decodes)):
-            s = start + n
-            ar = torch.arange(s)
-            bt = torch.tensor(table[: -(-s // c.block_size)], dtype=torch.int64)
-            base = bt[ar // c.block_size] * c.s_block + (ar % c.block_size) * c.s_off
-            idx = base[None, None, None, :] + c.layer_kv_head[:, :, :, None]                   # [L, 2, H, S]
-            qpos = torch.arange(start, s).repeat_interleave(c.group)
-            mask = ar[None, :] <= qpos[:, None]
-            self.prefills.append(_Prefill(row, n, idx.reshape(c.num_layers, -1).to(dev), s, mask.to(dev)))
+        row = b
+        for start, n, table in prefills:
+            nb = -(-(start + n) // bs)
+            ar = torch.arange(nb * bs)
+            qpos = torch.arange(start, start + n).repeat_interleave(c.group)
+            self.prefills.append(_Prefill(row, n, torch.tensor(table[:nb], dtype=torch.int64).to(dev), nb * bs,
+                                          (ar[None, :] <= qpos[:, None]).to(dev)))
+            row += n
+
+    def _gather(self, layer: int, blocks: torch.Tensor, seqs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` as ``[seqs, kv_heads, ctx, head_dim]`` views (one copy each)."""
+        c = self.cache
+        k = c.k_layers[layer].index_select(0, blocks).view(seqs, ctx, c.num_kv_heads, c.head_dim)
+        v = c.v_layers[layer].index_select(0, blocks).view(seqs, ctx, c.num_kv_heads, c.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """Write this layer's new K/V (already rotated) and return attention output [T, heads*D]."""
         c = self.cache
         t = qkv.shape[0]
-        kv_new = qkv[:, c.q_width:].view(t, 2, c.num_kv_heads, c.head_dim)
-        c.flat.index_put_((self.write[layer],), kv_new)
+        c.rows.index_put_((self.write[layer],), qkv[:, c.q_width :].view(t, 2, c.kv_width))
         outs = []
-        if self.decode_gather is not None:
-            b, s = self.num_decodes, self.decode_ctx
-            kv = c.flat.index_select(0, self.decode_gather[layer]).view(b, 2, c.num_kv_heads, s, c.head_dim)
+        if self.num_decodes:
+            b = self.num_decodes
+            k, v = self._gather(layer, self.decode_blocks, b, self.decode_ctx)
             q = qkv[:b, : c.q_width].view(b, c.num_kv_heads, c.group, c.head_dim)
-            o = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=self.decode_mask)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
             outs.append(o.reshape(b, c.q_width))
         for p in self.prefills:
-            kv = c.flat.index_select(0, p.gather[layer]).view(2, 1, c.num_kv_heads, p.ctx, c.head_dim)
-            q = qkv[p.row : p.row + p.num_tokens, : c.q_width].view(p.num_tokens, c.num_kv_heads, c.group, c.head_dim)
-            q = q.transpose(0, 1).reshape(1, c.num_kv_heads, p.num_tokens * c.group, c.head_dim)
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=p.mask)
-            o = o.view(c.num_kv_heads, p.num_tokens, c.group, c.head_dim).transpose(0, 1)
-            outs.append(o.reshape(p.num_tokens, c.q_width))
+            n = p.num_tokens
+            k, v = self._gather(layer, p.blocks, 1, p.ctx)
+            q = qkv[p.row : p.row + n, : c.q_width].view(n, c.num_kv_heads, c.group, c.head_dim)
+            q = q.transpose(0, 1).reshape(1, c.num_kv_heads, n * c.group, c.head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask)
+            outs.append(o.view(c.num_kv_heads, n, c.group, c.head_dim).transpose(0, 1).reshape(n, c.q_width))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class PagedKVCache:
-    """Owns the cache tensor and the constants that address it."""
+    """Owns the cache tensor, its per-layer views and the constants that address it."""
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         nb, layers, two, bs, kvh, d = kv_cache.shape
-        if two != 2:
-            raise ValueError(f"kv_cache dim 2 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
+        if two != 2 or num_heads % kvh:
+            raise ValueError(f"bad kv_cache shape {tuple(kv_cache.shape)} for {num_heads} heads")
         self.kv_cache = kv_cache
-        self.flat = kv_cache.view(-1, d)
+        self.device = kv_cache.device
+        self.rows = kv_cache.view(-1, kvh * d)
+        self.k_layers = [kv_cache[:, i, 0] for i in range(layers)]   # [num_blocks, bs, kvh, d] views
+        self.v_layers = [kv_cache[:, i, 1] for i in range(layers)]
         self.num_blocks, self.num_layers, self.block_size = nb, layers, bs
-        self.num_kv_heads, self.head_dim = kvh, d
+        self.num_kv_heads, self.head_dim, self.kv_width = kvh, d, kvh * d
         self.group = num_heads // kvh
         self.q_width = num_heads * d
-        self.s_off = kvh
-        self.s_block = layers * 2 * bs * kvh
-        # offsets of (layer, kv, head) from a (block, offset) base: [L, 2, kv_heads]
-        self.layer_kv_head = (torch.arange(layers)[:, None, None] * (2 * bs * kvh)
-                              + torch.arange(2)[None, :, None] * (bs * kvh)
-                              + torch.arange(kvh)[None, None, :])
+        self.rows_per_block = layers * 2 * bs
+        self.layer_kv_rows = torch.arange(layers)[:, None] * (2 * bs) + torch.arange(2)[None, :] * bs   # [L, 2]
 
     def plan(self, decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
              positions: torch.Tensor) -> AttentionPlan:
         """``decodes``: (position, block_table) per one-token item; ``prefills``: (start_pos,
         num_tokens, block_table); ``positions``: [T] position of every token, decodes first."""
-        tables = [t for _, t in decodes] + [t for _, _, t in prefills]
-        for table in tables:
-            if table and (min(table) < 0 or max(table) >= self.num_blocks):
-                raise ValueError(f"block table {table} has ids outside [0, {self.num_blocks})")
-        return AttentionPlan(self, decodes, prefills, positions, tables)
+        for _, table in decodes:
+            _check_table(table, self.num_blocks)
+        for _, _, table in prefills:
+            _check_table(table, self.num_blocks)
+        return AttentionPlan(self, decodes, prefills, positions)
 
 
-def _lens(decodes: list, prefills: list) -> list[int]:
-    return [1] * len(decodes) + [n for _, n, _ in prefills]
-
-
-def _with_rows(prefills: list[tuple[int, int, list[int]]], first_row: int):
-    row = first_row
-    for start, n, table in prefills:
-        yield row, start, n, table
-        row += n
+def _check_table(table: list[int], num_blocks: int) -> None:
+    if table and (min(table) < 0 or max(table) >= num_blocks):
+        raise ValueError(f"block table {table} has ids outside [0, {num_blocks})")
 
 
 def _pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionPlan
+from pdserve.engine.linear import DenseLinear, PackedLinear
 from pdserve.engine.loader import LayerWeights, ModelSpec
 
 
@@ -38,25 +39,34 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 class RotaryTables:
-    """Precomputed ``cos`` and signed ``sin`` per position, ``[max_positions, 1, head_dim]``.
+    """Precomputed ``cos`` and signed ``sin`` per position, ``[positions, 1, head_dim]``.
 
     The signed sine is ``cat(-sin, sin)``, so that rotating by half the head is a flip of the two
-    halves: ``x * cos + flip_halves(x) * sin_signed`` equals the usual ``rotate_half`` form.
+    halves: ``x * cos + flip_halves(x) * sin_signed`` equals the usual ``rotate_half`` form. Tables
+    grow on demand (doubling) up to ``max_positions``, so a 128k-context config costs nothing
+    until long sequences arrive.
     """
 
-    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: str) -> None:
-        inv = rope_inv_freq(spec)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        half = spec.head_dim // 2
-        sin = emb.sin()
-        sin[:, :half].neg_()
-        self.cos = emb.cos().to(dtype=dtype, device=device)[:, None, :].contiguous()
-        self.sin = sin.to(dtype=dtype, device=device)[:, None, :].contiguous()
+    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: str | torch.device,
+                 initial: int = 4096) -> None:
+        self.inv_freq = rope_inv_freq(spec)
+        self.half = spec.head_dim // 2
+        self.dtype, self.device = dtype, device
         self.max_positions = max_positions
+        self._build(min(initial, max_positions))
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build(self, n: int) -> None:
+        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        sin = emb.sin()
+        sin[:, : self.half].neg_()
+        self.cos = emb.cos().to(dtype=self.dtype, device=self.device)[:, None, :].contiguous()
+        self.sin = sin.to(dtype=self.dtype, device=self.device)[:, None, :].contiguous()
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows ``[T, 1, head_dim]`` for ``positions`` (all < max_position)."""
+        if max_position > self.cos.shape[0]:
+            self._build(min(self.max_positions, max(max_position, 2 * self.cos.shape[0])))
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
@@ -70,33 +80,24 @@ def apply_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 class DecoderLayer:
     """One transformer block; attention over the paged cache is delegated to ``attend``."""
 
-    __slots__ = ("w", "eps", "hidden", "q_width", "qk_heads", "head_dim", "inter")
+    __slots__ = ("mm", "input_norm", "post_norm", "eps", "hidden", "qk_heads", "head_dim")
 
-    def __init__(self, w: LayerWeights, spec: ModelSpec) -> None:
-        self.w = w
+    def __init__(self, w: LayerWeights, spec: ModelSpec, packed: bool) -> None:
+        self.mm = PackedLinear(w) if packed else DenseLinear(w)
+        self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.eps = spec.rms_norm_eps
         self.hidden = (spec.hidden_size,)
-        self.q_width = spec.num_heads * spec.head_dim
         self.qk_heads = spec.num_heads + spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.inter = spec.intermediate_size
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 index: int) -> torch.Tensor:
         """``x`` is the residual stream ``[T, hidden]``; ``plan.attend`` writes this layer's K/V
         into the paged cache and attends. Returns the new residual stream."""
-        w = self.w
-        h = F.rms_norm(x, self.hidden, w.input_norm, self.eps)
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
-        t = qkv.shape[0]
-        qk = qkv[:, : self.qk_heads * self.head_dim].view(t, self.qk_heads, self.head_dim)
+        mm = self.mm
+        h = F.rms_norm(x, self.hidden, self.input_norm, self.eps)
+        qkv = mm.qkv(h)
+        qk = qkv[:, : self.qk_heads * self.head_dim].view(qkv.shape[0], self.qk_heads, self.head_dim)
         apply_rope_(qk, cos, sin)
-        attn = plan.attend(index, qkv)
-        if w.o_bias is None:
-            x = torch.addmm(x, attn, w.o.t())
-        else:
-            x = x + F.linear(attn, w.o, w.o_bias)
-        h = F.rms_norm(x, self.hidden, w.post_norm, self.eps)
-        gu = F.linear(h, w.gate_up)
-        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        return torch.addmm(x, act, w.down.t())
+        x = mm.o_add(plan.attend(index, qkv), x)
+        return mm.mlp_add(F.rms_norm(x, self.hidden, self.post_norm, self.eps), x)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import PagedKVCache
 from pdserve.engine.layers import DecoderLayer, RotaryTables
+from pdserve.engine.linear import LmHead, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,12 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, linear_backend: str = "auto") -> None:
+        """``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
+        epilogues, CPU only) or "auto" (packed for bfloat16 on CPU, where it measured faster;
+        dense otherwise: at float32 oneDNN's per-call cost outweighs what it saves)."""
+        if linear_backend not in ("auto", "dense", "packed"):
+            raise ValueError(f"linear_backend must be 'auto', 'dense' or 'packed', got {linear_backend!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         if block_size < 1:
@@ -62,21 +68,29 @@ class ModelRunner:
                              "raise kv_cache_memory_gb or num_blocks")
         self.num_blocks = num_blocks
         self.weights = load_weights(model_dir, spec, dtype, device)
-        self.layers = [DecoderLayer(w, spec) for w in self.weights.layers]
+        want = linear_backend == "packed" or (linear_backend == "auto" and self.dtype == torch.bfloat16)
+        packed = want and packed_available(self.dtype, self.device)
+        if linear_backend == "packed" and not packed:
+            raise ValueError("linear_backend='packed' needs a CPU with oneDNN's packed linear")
+        self.linear_backend = "packed" if packed else "dense"
+        # the layers keep their own (transposed or packed) copies; drop each plain one as we go
+        self.layers = [DecoderLayer(self.weights.layers.pop(0), spec, packed) for _ in range(spec.num_layers)]
+        self.lm_head = LmHead(self.weights.lm_head, packed)
         self.rope = RotaryTables(spec, spec.max_position_embeddings, self.dtype, device)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
         self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=self.dtype, device=self.device)
         self._cache = PagedKVCache(self.kv_cache, spec.num_heads)
-        logger.info("model %s loaded: %d layers, %s, %d KV blocks of %d bytes", spec.architecture,
-                    spec.num_layers, dtype, num_blocks, self.kv_block_bytes)
+        logger.info("model %s loaded: %d layers, %s, %s matmuls, %d KV blocks of %d bytes",
+                    spec.architecture, spec.num_layers, dtype, self.linear_backend, num_blocks,
+                    self.kv_block_bytes)
 
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[number of items with sample=True, vocab]``."""
         if not items:
             return torch.empty(0, self.spec.vocab_size)
-        order = self._check_and_order(items)
+        order, max_pos = self._check_and_order(items)
         decodes, prefills, token_ids, positions = [], [], [], []
         last_row: dict[int, int] = {}
         for i in order:
@@ -92,8 +106,12 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64)
         plan = self._cache.plan(decodes, prefills, pos)
         pos_dev = pos.to(self.device)
-        cos, sin = self.rope.lookup(pos_dev)
-        x = F.embedding(torch.tensor(token_ids, device=self.device), self.weights.embed)
+        cos, sin = self.rope.lookup(pos_dev, max_pos)
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.spec.vocab_size}), "
+                             f"got {int(ids.min())}..{int(ids.max())}")
+        x = F.embedding(ids.to(self.device), self.weights.embed)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, plan, i)
         rows = [last_row[i] for i, it in enumerate(items) if it.sample]
@@ -102,11 +120,13 @@ class ModelRunner:
         if rows != list(range(x.shape[0])):
             x = x[torch.tensor(rows, device=self.device)]
         x = F.rms_norm(x, (self.spec.hidden_size,), self.weights.norm, self.spec.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return self.lm_head(x).float()
 
-    def _check_and_order(self, items: list[ForwardItem]) -> list[int]:
-        """Validate items; return their indices, one-token (decode) items first."""
+    def _check_and_order(self, items: list[ForwardItem]) -> tuple[list[int], int]:
+        """Validate items; return their indices, one-token (decode) items first, and the end
+        position of the longest one."""
         limit = self.rope.max_positions
+        max_end = 0
         for it in items:
             n = len(it.token_ids)
             end = it.start_pos + n
@@ -117,5 +137,14 @@ class ModelRunner:
             if len(it.block_table) * self.block_size < end:
                 raise ValueError(f"block table of {len(it.block_table)} blocks cannot hold {end} positions "
                                  f"(block_size {self.block_size})")
-        return ([i for i, it in enumerate(items) if len(it.token_ids) == 1]
-                + [i for i, it in enumerate(items) if len(it.token_ids) > 1])
+            max_end = max(max_end, end)
+        order = ([i for i, it in enumerate(items) if len(it.token_ids) == 1]
+                 + [i for i, it in enumerate(items) if len(it.token_ids) > 1])
+        return order, max_end
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Raw bytes of whole KV blocks (diagnostics and tests compare what was sent and what landed)."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        blocks = self.kv_cache[block_ids].contiguous().cpu()
+        return blocks.view(-1).view(torch.uint8).numpy().tobytes()
