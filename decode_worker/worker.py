@@ -46,11 +46,17 @@ class _Reservation:
 
 class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
-                 outbox_limit: int = 1_000_000) -> None:
+                 outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0) -> None:
+        """``kv_quarantine_s``: how long the reserved blocks of a transfer that did not land stay
+        unusable when the prefill side never confirms it stopped writing (see ``KVReceiver``)."""
         if engine_config.mode is not EngineMode.DECODE:
             raise ValueError("a decode worker needs an engine in decode mode")
+        if transfer_timeout_s <= 0 or kv_quarantine_s < 0:
+            raise ValueError(f"transfer_timeout_s must be > 0 and kv_quarantine_s >= 0 "
+                             f"(got {transfer_timeout_s}, {kv_quarantine_s})")
         self.worker_id = worker_id
         self.transfer_timeout_s = transfer_timeout_s
+        self.kv_quarantine_s = kv_quarantine_s
         self.engine = LLMEngine(engine_config)
         self.layout = layout_of(self.engine)
         self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
@@ -82,7 +88,8 @@ class DecodeWorker:
             blocks = engine.reserve(engine.block_manager.blocks_needed(num_prompt_tokens))
             try:
                 receiver = KVReceiver(self.agent, request_id, blocks,
-                                      timeout_s=timeout_s or self.transfer_timeout_s)
+                                      timeout_s=timeout_s or self.transfer_timeout_s,
+                                      quarantine_s=self.kv_quarantine_s)
             except BaseException:
                 engine.release_reserved(blocks)
                 raise
@@ -114,7 +121,11 @@ class DecodeWorker:
         def do(engine: LLMEngine) -> bool:
             res = self._reservations.get(request_id)
             if res is not None:
+                # Started but its KV has not landed yet: the caller is draining for it, so end it.
+                started = res.pending_start is not None and not res.ending
                 self._end_reservation(res, "aborted by the router")
+                if started:
+                    self._publish([StepOutput(request_id, finished=True, finish_reason="abort")])
                 return True
             return engine.abort(request_id)
         return self._loop.call(do)
@@ -153,7 +164,10 @@ class DecodeWorker:
 
     def _on_tick(self) -> bool:
         for res in list(self._reservations.values()):
-            self._advance(res)
+            try:
+                self._advance(res)
+            except Exception:  # keep the other reservations moving; this one retries next tick
+                logger.exception("request %s: polling its KV transfer failed", res.request_id)
         return bool(self._reservations)
 
     def _emit_error(self, request_id: str, message: str) -> None:
@@ -185,6 +199,7 @@ class DecodeWorker:
                 "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
                 "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
                 "reservations": len(self._reservations), "generated_tokens": s.generated_tokens,
+                "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
                 "started_at": self.started_at}
 
     def read_blocks(self, block_ids: list[int]) -> bytes:

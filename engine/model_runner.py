@@ -144,7 +144,9 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Raw bytes of whole KV blocks (diagnostics and tests compare what was sent and what landed)."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks for b in block_ids):
+            from pdserve.engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"block ids must be integers in [0, {self.num_blocks}), got {block_ids[:8]}")
         blocks = self.kv_cache[block_ids].contiguous().cpu()
         return blocks.view(-1).view(torch.uint8).numpy().tobytes()

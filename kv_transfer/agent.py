@@ -152,9 +152,17 @@ class KVAgent:
             except Exception as exc:  # NIXL binding errors (e.g. NIXL_ERR_NOT_FOUND)
                 raise KVTransferError(f"NIXL could not prepare a write to {peer}: {exc}") from exc
             self._open_handles.add(id(handle))
-            status = nixl.transfer(handle)
+            try:
+                status = nixl.transfer(handle)
+            except Exception as exc:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died
+                status = "ERR"
+                error = exc
+            else:
+                error = None
         if status == "ERR":
             self.release_xfer(handle)
+            if error is not None:
+                raise KVTransferError(f"NIXL write to {peer} failed: {error}") from error
             raise KVTransferError(f"NIXL refused to post a write to {peer}")
         return PostedWrite(handle, len(runs), sum(r.length for r in runs) * size)
 

@@ -9,13 +9,14 @@ single byte moves.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.errors import CompatibilityError, InvalidRequestError
 from pdserve.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
 
 _FIELDS = ("protocol_version", "compat_hash", "request_id", "src_blocks", "dst_blocks",
-           "dst_agent")
+           "dst_agent", "expires_at")
 
 
 def _block_ids(name: str, value: object) -> tuple[int, ...]:
@@ -41,6 +42,9 @@ class TransferParams:
     compat_hash: str
     src_blocks: tuple[int, ...] = ()
     protocol_version: int = field(default=PROTOCOL_VERSION)
+    # Wall-clock time (epoch seconds) after which the sender must not write: the receiver may
+    # give the blocks to another request once it has passed. 0 means no expiry.
+    expires_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -55,6 +59,9 @@ class TransferParams:
             raise InvalidRequestError("dst_blocks is empty: nothing to transfer")
         if len(set(self.dst_blocks)) != len(self.dst_blocks):
             raise InvalidRequestError("dst_blocks repeats a block id")
+        if isinstance(self.expires_at, bool) or not isinstance(self.expires_at, (int, float)) \
+                or self.expires_at < 0:
+            raise InvalidRequestError(f"expires_at must be epoch seconds >= 0, got {self.expires_at!r}")
         if self.src_blocks and len(self.src_blocks) != len(self.dst_blocks):
             raise InvalidRequestError(
                 f"src_blocks has {len(self.src_blocks)} ids but dst_blocks has "
@@ -84,6 +91,7 @@ class TransferParams:
             "src_blocks": list(self.src_blocks),
             "dst_blocks": list(self.dst_blocks),
             "dst_agent": self.dst_agent,
+            "expires_at": self.expires_at,
         }, separators=(",", ":")).encode()
 
     @classmethod
@@ -109,7 +117,12 @@ class TransferParams:
             compat_hash=obj["compat_hash"],
             src_blocks=obj["src_blocks"],
             protocol_version=version,
+            expires_at=obj["expires_at"],
         )
+
+    def expired(self, now: float | None = None) -> bool:
+        """True once the receiver may have reused the blocks: writing now would be unsafe."""
+        return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at
 
 
 def check_block_range(name: str, blocks: tuple[int, ...] | list[int], num_blocks: int) -> None:

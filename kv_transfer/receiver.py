@@ -34,6 +34,10 @@ from pdserve.kv_transfer.wire import Notif, NotifKind
 logger = logging.getLogger(__name__)
 
 
+# Allowed clock difference between the sender's and the receiver's hosts.
+EXPIRY_SKEW_S = 1.0
+
+
 class RecvState(Enum):
     WAITING = "waiting"      # reserved, not all blocks landed yet
     LANDED = "landed"        # every reserved block holds the sender's bytes
@@ -67,9 +71,13 @@ class KVReceiver:
             raise ValueError(f"timeout_s must be > 0 and quarantine_s >= 0 "
                              f"(got {timeout_s}, {quarantine_s})")
         # TransferParams validates ids (non-negative, unique, non-empty) once for both sides.
+        # Writes are refused after ``expires_at`` (wall clock, checked by the sender), so after
+        # it plus a skew margin no write of this request can land, whatever the sender does.
+        self.expires_at = time.time() + timeout_s
         self._params = TransferParams(request_id=request_id, dst_agent=agent.name,
                                       dst_blocks=tuple(dst_blocks),
-                                      compat_hash=agent.layout.compat_hash())
+                                      compat_hash=agent.layout.compat_hash(),
+                                      expires_at=self.expires_at)
         check_block_range("dst_blocks", dst_blocks, agent.layout.num_blocks)
         self.request_id = request_id
         self.reason = ""
@@ -92,7 +100,8 @@ class KVReceiver:
             return self._params
         return TransferParams(request_id=self.request_id, dst_agent=self._params.dst_agent,
                               dst_blocks=self._params.dst_blocks,
-                              compat_hash=self._params.compat_hash, src_blocks=tuple(src_blocks))
+                              compat_hash=self._params.compat_hash, src_blocks=tuple(src_blocks),
+                              expires_at=self.expires_at)
 
     @property
     def state(self) -> RecvState:
@@ -123,6 +132,10 @@ class KVReceiver:
         if self._state is RecvState.LANDED or self._sender_quiet:
             return True
         if self._state is RecvState.WAITING or self.stats.ended_at is None:
+            return False
+        # A sender that never started (or never answered) may still be about to write until the
+        # params expire; after that it refuses to. Keep the blocks until both have passed.
+        if time.time() < self.expires_at + EXPIRY_SKEW_S:
             return False
         return self._clock() >= self.stats.ended_at + self._quarantine_s
 

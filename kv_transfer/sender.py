@@ -81,6 +81,9 @@ class KVSender:
                 f"request {params.request_id}: params hash {params.compat_hash} != peer "
                 f"{params.dst_agent}'s layout hash {peer.layout.compat_hash()}")
         params.check_blocks(agent.layout.num_blocks, peer.layout.num_blocks)
+        if params.expired():
+            raise KVTransferError(f"request {params.request_id}: the receiver's reservation expired "
+                                  "before the transfer started")
         self.params = params
         self.stats = SendStats()
         self.reason = ""
@@ -113,6 +116,9 @@ class KVSender:
                 f"write needs equal, non-empty block lists (got {len(src_blocks)} src, "
                 f"{len(dst_blocks)} dst)")
         check_block_range("src_blocks", src_blocks, self._agent.layout.num_blocks)
+        if self.params.expired():
+            self._stop(SendState.FAILED, "the receiver's reservation expired")
+            raise KVTransferError(f"request {self.request_id}: reservation expired, write refused")
         outside = [b for b in dst_blocks if b not in self._reserved]
         if outside:
             raise InvalidRequestError(f"dst blocks {outside[:8]} are not reserved for "

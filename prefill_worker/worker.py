@@ -122,72 +122,91 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
-            if not out.finished:
-                if self.overlap_transfer:
-                    self._send_ready_blocks(job, out.num_computed_tokens // self.engine.config.block_size)
-                continue
-            phase = out.phase
-            result = PrefillResult(out.request_id, self.worker_id, out.finish_reason or "error",
-                                   first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
-                                   first_token_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
-                                   error=out.error)
-            if phase is not None:
-                result.prompt_tokens = phase.prompt_tokens
-                result.cached_prompt_tokens = phase.cached_prompt_tokens
-                result.queue_s = phase.queue_s
-                result.prefill_s = phase.prefill_s
-            job.result = result
-            job.first_token_at = time.perf_counter()
-            if out.finish_reason == "prefilled":
-                total = -(-job.num_prompt_tokens // self.engine.config.block_size)
-                if self._send_ready_blocks(job, total):
-                    job.sender.finish()
-                    job.finishing = True
-            else:
-                # Ended at its first token (stop/length) or failed: nothing to decode remotely.
-                job.sender.abort(f"request ended at prefill: {out.finish_reason}")
-                self._resolve(job)
+            try:
+                self._on_output(job, out)
+            except Exception as exc:  # one request's failed transfer must not strand the others
+                logger.warning("request %s: KV transfer failed: %s", job.request_id, exc)
+                self._abort_job(job, f"KV transfer failed: {exc}")
+
+    def _on_output(self, job: _Job, out: StepOutput) -> None:
+        if not out.finished:
+            if self.overlap_transfer:
+                self._send_ready_blocks(job, out.num_computed_tokens // self.engine.config.block_size)
+            return
+        phase = out.phase
+        result = PrefillResult(out.request_id, self.worker_id, out.finish_reason or "error",
+                               first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
+                               first_token_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+                               error=out.error)
+        if phase is not None:
+            result.prompt_tokens = phase.prompt_tokens
+            result.cached_prompt_tokens = phase.cached_prompt_tokens
+            result.queue_s = phase.queue_s
+            result.prefill_s = phase.prefill_s
+        job.result = result
+        job.first_token_at = time.perf_counter()
+        if out.finish_reason == "prefilled":
+            total = -(-job.num_prompt_tokens // self.engine.config.block_size)
+            if self._send_ready_blocks(job, total):
+                job.sender.finish()
+                job.finishing = True
+        else:
+            # Ended at its first token (stop/length) or failed: nothing to decode remotely.
+            job.sender.abort(f"request ended at prefill: {out.finish_reason}")
+            self._resolve(job)
 
     def _send_ready_blocks(self, job: _Job, upto: int) -> bool:
+        """Write blocks ``[sent_blocks, upto)``; False if the job ended (it is then resolved)."""
         seq = self.engine.held(job.request_id) or self.engine.scheduler.get(job.request_id)
         if seq is None or upto <= job.sent_blocks:
             return seq is not None
         src = seq.block_table[job.sent_blocks:upto]
-        job.src_blocks.extend(src)
         dst = list(job.dst_blocks[job.sent_blocks:upto])
         try:
             job.sender.write(src, dst)
         except Exception as exc:
             logger.warning("request %s: KV write failed: %s", job.request_id, exc)
-            self.engine.abort(job.request_id)
-            self._fail(job, "error", f"KV transfer failed: {exc}")
+            self._abort_job(job, f"KV transfer failed: {exc}")
             return False
+        job.src_blocks.extend(src)
         job.sent_blocks = upto
         return True
 
     def _on_tick(self) -> bool:
         now = time.monotonic()
         for job in list(self._jobs.values()):
-            state = job.sender.poll()
-            if state is SendState.DONE and job.finishing:
-                st = job.sender.stats
-                assert job.result is not None
-                job.result.kv_bytes = st.nbytes
-                job.result.kv_blocks = st.blocks
-                job.result.kv_descriptors = st.descriptors
-                job.result.kv_transfer_s = st.seconds or 0.0
-                job.result.kv_exposed_s = max(0.0, (st.done_at or 0.0) - job.first_token_at)
-                job.result.src_blocks = list(job.src_blocks)
-                self._resolve(job)
-            elif state in (SendState.FAILED, SendState.ABORTED):
-                self.engine.abort(job.request_id)
-                self._fail(job, "error", f"KV transfer {state.value}: {job.sender.reason}")
-            elif now > job.deadline:
-                job.sender.abort("prefill transfer timed out")
-                self.engine.abort(job.request_id)
-                self._fail(job, "error", f"KV transfer timed out after {self.transfer_timeout_s:.0f} s")
+            try:
+                self._poll_job(job, now)
+            except Exception as exc:  # e.g. NIXL raising for a lost peer: end this job only
+                logger.warning("request %s: KV transfer failed: %s", job.request_id, exc)
+                self._abort_job(job, f"KV transfer failed: {exc}")
         self._collect_events()
         return bool(self._jobs)
+
+    def _poll_job(self, job: _Job, now: float) -> None:
+        state = job.sender.poll()
+        if state is SendState.DONE and job.finishing:
+            st = job.sender.stats
+            assert job.result is not None  # set by _on_output before finishing
+            job.result.kv_bytes = st.nbytes
+            job.result.kv_blocks = st.blocks
+            job.result.kv_descriptors = st.descriptors
+            job.result.kv_transfer_s = st.seconds or 0.0
+            job.result.kv_exposed_s = max(0.0, (st.done_at or 0.0) - job.first_token_at)
+            job.result.src_blocks = list(job.src_blocks)
+            self._resolve(job)
+        elif state in (SendState.FAILED, SendState.ABORTED):
+            self._abort_job(job, f"KV transfer {state.value}: {job.sender.reason}")
+        elif now > job.deadline:
+            self._abort_job(job, f"KV transfer timed out after {self.transfer_timeout_s:.0f} s")
+
+    def _abort_job(self, job: _Job, message: str) -> None:
+        """End a job with an error: stop its sender, free its blocks, resolve its caller."""
+        if self._jobs.get(job.request_id) is not job:
+            return  # already resolved
+        job.sender.abort(message)
+        self.engine.abort(job.request_id)
+        self._fail(job, "error", message)
 
     def _resolve(self, job: _Job) -> None:
         self._jobs.pop(job.request_id, None)
@@ -218,6 +237,7 @@ class PrefillWorker:
         return {"worker_id": self.worker_id, "role": "prefill", "num_running": s.num_running,
                 "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
                 "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate, "in_flight": len(self._jobs),
+                "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
                 "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
                 "started_at": self.started_at}
 
