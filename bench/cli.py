@@ -1,0 +1,40 @@
+"""``pdserve bench``: one sub-subcommand per benchmark module.
+
+A benchmark module ``pdserve.bench.<name>`` offers ``add_args(parser)`` and ``run(args) -> int``
+and is listed in ``_BENCHMARKS``; a module that does not import (not written yet, or a missing
+optional dependency of its own) is simply not offered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+# name -> (module, one-line help)
+_BENCHMARKS: dict[str, tuple[str, str]] = {
+    "engine": ("pdserve.bench.engine", "engine decode/prefill against rooflines and transformers"),
+    "transfer": ("pdserve.bench.transfer", "KV block transfer bandwidth and latency"),
+    "router": ("pdserve.bench.router", "router latency and serving load"),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` subcommand and every benchmark whose module imports."""
+    bench = subparsers.add_parser("bench", help="benchmarks whose figures go into docs/benchmarks.md")
+    sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in _BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            logger.debug("benchmark %s not available: %s", name, exc)
+            continue
+        if not (callable(getattr(mod, "add_args", None)) and callable(getattr(mod, "run", None))):
+            logger.warning("benchmark module %s lacks add_args(parser) or run(args); skipped", module)
+            continue
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or "").strip() or None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(p)
+        p.set_defaults(func=mod.run)
