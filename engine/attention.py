@@ -27,7 +27,7 @@ class _Prefill:
     num_tokens: int
     blocks: torch.Tensor     # [num_blocks_of_context] block ids
     ctx: int                 # gathered positions (block-padded)
-    mask: torch.Tensor       # [num_tokens * group, ctx] bool, True = may attend
+    mask: torch.Tensor | None  # [num_tokens * group, ctx] bool, True = may attend; None: fresh chunk
 
 
 class AttentionPlan:
@@ -54,6 +54,11 @@ class AttentionPlan:
         row = b
         for start, n, table in prefills:
             nb = -(-(start + n) // bs)
+            if start == 0:
+                # Nothing cached before this chunk: attend to its own K/V, causal, with no gather.
+                self.prefills.append(_Prefill(row, n, torch.empty(0, dtype=torch.int64), 0, None))
+                row += n
+                continue
             ar = torch.arange(nb * bs)
             qpos = torch.arange(start, start + n).repeat_interleave(c.group)
             self.prefills.append(_Prefill(row, n, torch.tensor(table[:nb], dtype=torch.int64).to(dev), nb * bs,
@@ -81,12 +86,26 @@ class AttentionPlan:
             outs.append(o.reshape(b, c.q_width))
         for p in self.prefills:
             n = p.num_tokens
+            if p.mask is None:
+                outs.append(self._fresh_chunk(qkv[p.row : p.row + n], n))
+                continue
             k, v = self._gather(layer, p.blocks, 1, p.ctx)
             q = qkv[p.row : p.row + n, : c.q_width].view(n, c.num_kv_heads, c.group, c.head_dim)
             q = q.transpose(0, 1).reshape(1, c.num_kv_heads, n * c.group, c.head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask)
             outs.append(o.view(c.num_kv_heads, n, c.group, c.head_dim).transpose(0, 1).reshape(n, c.q_width))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+    def _fresh_chunk(self, qkv: torch.Tensor, n: int) -> torch.Tensor:
+        """Causal attention of a chunk that starts at position 0, on its own K/V (grouped query)."""
+        c = self.cache
+        heads = c.num_kv_heads * c.group
+        q = qkv[:, : c.q_width].view(n, heads, c.head_dim).transpose(0, 1)
+        k = qkv[:, c.q_width : c.q_width + c.kv_width].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v = qkv[:, c.q_width + c.kv_width :].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, c.q_width)
 
 
 class PagedKVCache:
