@@ -5,12 +5,14 @@ tokenizer files of ``tokenizer_train`` into a directory that ``transformers`` lo
 (``LlamaForCausalLM`` or ``Qwen2ForCausalLM``). Same arguments give byte-identical files: each
 tensor is drawn from its own ``torch.Generator`` seeded by (seed, tensor name).
 
-Initialisation: the usual N(0, 0.02) makes a random model repeat one token forever. Here every
-matrix is scaled to its fan-in so each layer's output has unit-sized elements: queries and keys
-are larger so attention is peaked (it depends on content and position, which makes KV-cache bugs
-visible), residual projections add about one unit per sublayer so no single path dominates,
-RMSNorm weights are jittered around 1 (an engine that ignores them gets different logits), and
-the head is scaled for a logit std of about 4 (clear top-1/top-2 gaps, finite in bf16).
+Initialisation: the usual N(0, 0.02) makes a random model repeat one token forever. Here each
+matrix is scaled to its fan-in. Queries and keys are larger (attention-logit std ~4), so attention
+is peaked and depends on content and position, which makes KV-cache bugs visible. Attention adds
+less to the residual stream than the MLP, because attention averages over positions and, stacked
+30 layers deep, would otherwise push every position towards one shared vector (one repeated
+token). Embeddings are small next to the layers' outputs, so a tied head does not simply predict
+the current token again. RMSNorm weights are jittered around 1 (an engine that ignores them gets
+other logits) and the head is scaled for a logit std of ~4: clear top-1/top-2 gaps, finite in bf16.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from pdserve.engine import tokenizer_train as tt
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # bump when the output of make_model changes for the same arguments
 ARCHES: tuple[str, ...] = ("llama", "qwen2")
-_EMBED_STD = 1.0
-_QK_GAIN = 1.5  # query/key element std; attention-logit std is about _QK_GAIN**2
-_ATTN_OUT_GAIN = 2.0  # o_proj std * sqrt(fan_in)
+_EMBED_STD = 0.3
+_QK_GAIN = 2.0  # query/key element std; attention-logit std is about _QK_GAIN**2
+_ATTN_OUT_GAIN = 1.0  # o_proj std * sqrt(fan_in)
 _MLP_OUT_GAIN = 2.0  # down_proj std * sqrt(fan_in)
 _LOGIT_STD = 4.0
 _NORM_JITTER = 0.2  # RMSNorm weights are uniform in [1 - j, 1 + j]
@@ -107,7 +109,9 @@ def _check_args(preset: str, arch: str, rope_scaling: dict | None) -> ModelPrese
 def _tensor_specs(p: ModelPreset, vocab: int, arch: str) -> list[tuple[str, tuple[int, ...], str, float]]:
     """(name, shape, kind, scale) for every tensor, in the order they are written."""
     h, q, kv, inter = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim, p.intermediate_size
-    specs: list[tuple[str, tuple[int, ...], str, float]] = [("model.embed_tokens.weight", (vocab, h), "normal", _EMBED_STD)]
+    specs: list[tuple[str, tuple[int, ...], str, float]] = [
+        ("model.embed_tokens.weight", (vocab, h), "normal", _EMBED_STD)
+    ]
     for i in range(p.num_layers):
         pre = f"model.layers.{i}."
         specs += [
@@ -122,7 +126,10 @@ def _tensor_specs(p: ModelPreset, vocab: int, arch: str) -> list[tuple[str, tupl
             (pre + "mlp.down_proj.weight", (h, inter), "normal", _MLP_OUT_GAIN / math.sqrt(inter)),
         ]
         if arch == "qwen2":
-            specs += [(pre + f"self_attn.{n}_proj.bias", (d,), "normal", _BIAS_STD) for n, d in (("q", q), ("k", kv), ("v", kv))]
+            specs += [
+                (pre + f"self_attn.{n}_proj.bias", (d,), "normal", _BIAS_STD)
+                for n, d in (("q", q), ("k", kv), ("v", kv))
+            ]
     if p.tie_word_embeddings:  # logits = embed @ norm(h): the final norm sets their scale
         specs.append(("model.norm.weight", (h,), "norm", _LOGIT_STD / (_EMBED_STD * math.sqrt(h))))
     else:
@@ -217,7 +224,12 @@ def make_model(
     ids = tt.special_token_ids(tok)
     tt.write_tokenizer_files(out, tok, with_bos=with_bos, model_max_length=p.max_position_embeddings)
     _dump(out / "config.json", _config(p, arch, vocab, ids, rope_scaling))
-    gen_cfg = {"bos_token_id": ids.bos, "eos_token_id": [ids.eos, ids.im_end], "pad_token_id": ids.pad, "do_sample": False}
+    gen_cfg = {
+        "bos_token_id": ids.bos,
+        "eos_token_id": [ids.eos, ids.im_end],
+        "pad_token_id": ids.pad,
+        "do_sample": False,
+    }
     _dump(out / "generation_config.json", gen_cfg)
     nbytes = _write_safetensors(out / "model.safetensors", _tensor_specs(p, vocab, arch), seed)
     logger.info("wrote %s %s (seed %d, vocab %d, %d weight bytes) to %s", arch, preset, seed, vocab, nbytes, out)
@@ -237,7 +249,8 @@ def default_cache_dir() -> Path:
 def cache_key(preset: str, arch: str = "llama", *, seed: int = 0, rope_scaling: dict | None = None) -> str:
     """Directory name of a cached model; changes with GENERATOR_VERSION, the corpus and the options."""
     _check_args(preset, arch, rope_scaling)
-    extra = json.dumps([tt.corpus_digest(), rope_scaling], sort_keys=True)
+    init = [_EMBED_STD, _QK_GAIN, _ATTN_OUT_GAIN, _MLP_OUT_GAIN, _LOGIT_STD, _NORM_JITTER, _BIAS_STD]
+    extra = json.dumps([tt.corpus_digest(), rope_scaling, init], sort_keys=True)
     return f"{arch}-{preset}-s{seed}-g{GENERATOR_VERSION}-{hashlib.sha256(extra.encode()).hexdigest()[:10]}"
 
 
@@ -268,7 +281,11 @@ def ensure_model(
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
             try:
                 make_model(tmp, preset, arch, seed, rope_scaling=rope_scaling)
-                os.rename(tmp, final)
+                try:
+                    os.rename(tmp, final)
+                except OSError:  # someone who ignores the lock got there first
+                    if not (final / "model.safetensors").is_file():
+                        raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         finally:
