@@ -16,7 +16,9 @@ class ScriptedBackend:
     """Emits the token ids of ``script`` one per delta (slowly if asked), then Finished("length")."""
 
     def __init__(self, tokenizer_dir: str, script: list[int], delay_s: float = 0.0) -> None:
-        self._info = ModelInfo("m", 512, 1458, (1,), tokenizer_dir)
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        self._info = ModelInfo("m", 512, len(load_tokenizer(tokenizer_dir)), (1,), tokenizer_dir)
         self.script = script
         self.delay_s = delay_s
         self.aborted: list[str] = []
