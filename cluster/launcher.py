@@ -73,7 +73,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             kwargs["address"] = config.ray.address
         else:
             started_ray = True
-            kwargs.update(_node_ip_address=config.ray.node_ip_address, num_cpus=config.ray.num_cpus,
+            # "local": never join another Ray found via RAY_ADDRESS or /tmp/ray/ray_current_cluster.
+            kwargs.update(address="local", _node_ip_address=config.ray.node_ip_address, num_cpus=config.ray.num_cpus,
                           include_dashboard=config.ray.include_dashboard, dashboard_host=LOOPBACK_IP,
                           dashboard_port=config.ray.dashboard_port)
         ray.init(**kwargs)
@@ -227,11 +228,28 @@ def down(timeout_s: float = 120.0) -> int:
     while time.monotonic() < deadline and _pid_alive(pid):
         time.sleep(0.3)
     if _pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+        _kill_head(pid)
         print("pdserve: the head did not stop in time and was killed", file=sys.stderr)
     state_file().unlink(missing_ok=True)
     print("pdserve is down")
     return 0
+
+
+def _kill_head(pid: int) -> None:
+    """SIGKILL a head that did not stop, with the Ray processes and Redis it started.
+
+    A head started by ``up`` leads its own process group, which its GCS, raylet, agents and
+    Redis share, so killing the group leaves none of them orphaned (Ray's worker processes have
+    groups of their own and exit when their raylet dies). A head run in the foreground shares
+    the operator's process group: only the head itself is killed then.
+    """
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def fetch_status() -> dict | None:

@@ -1,0 +1,154 @@
+"""The operator's commands as an operator runs them: ``pdserve up / status / requests tail /
+down`` and ``pdserve config`` as subprocesses, with the state directory in a temporary folder.
+
+``up`` starts a head process (its own Ray on 127.0.0.1, embedded Redis, one prefill and one
+decode worker, the router) and returns once ``/health`` answers; the environment carries a
+``RAY_ADDRESS`` that leads nowhere, so a head that tried to join another Ray instead of starting
+its own would never come up. ``down`` must leave no process of that head running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from scripts import procs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+UP_TIMEOUT_S = 240
+PROMPT = "Every request has two phases, and they are limited by completely different things. " * 2
+GEN = 8
+SETTINGS = {
+    "router.http_port": 0, "router.grpc_port": 0, "ray.include_dashboard": "false", "ray.num_cpus": 4,
+    "planner.enabled": "false", "router.disaggregation.local_prefill_max_tokens": 0,
+    **{f"{role}.engine.{key}": value for role in ("prefill", "decode")
+       for key, value in (("kv_cache_memory_gb", 0.03), ("num_threads", 1))},
+}
+
+
+def _pdserve_argv() -> list[str]:
+    script = Path(sys.executable).parent / "pdserve"  # the installed console script
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pdserve.cli"]
+
+
+def pdserve(state_dir: Path, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(state_dir), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_ADDRESS="127.0.0.1:9")  # nothing listens there: joining it would fail
+    return subprocess.run([*_pdserve_argv(), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def overrides(settings: dict) -> list[str]:
+    return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """The CLI's state directory; a head still up after the test is stopped (and the test fails)."""
+    yield tmp_path
+    st = tmp_path / "state.json"
+    if st.exists():
+        pid = json.loads(st.read_text())["pid"]
+        tree = procs.descendants(pid)
+        pdserve(tmp_path, "down", "--timeout", "60", timeout_s=90)
+        for p, _ in procs.wait_gone(tree, 10):
+            os.kill(p, 9)
+        pytest.fail("the test left pdserve up")
+
+
+def test_up_status_request_tail_down(state_dir: Path, tiny_model: Path) -> None:
+    t0 = time.monotonic()
+    up = pdserve(state_dir, "up", "--model", str(tiny_model), *overrides(SETTINGS), "--timeout", str(UP_TIMEOUT_S),
+                 timeout_s=UP_TIMEOUT_S + 30)
+    log = (state_dir / "head.log").read_text(errors="replace") if (state_dir / "head.log").exists() else ""
+    assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n--- head.log ---\n{log[-4000:]}"
+    state = json.loads((state_dir / "state.json").read_text())
+    head = state["pid"]
+    assert "pdserve is up" in up.stdout and state["http"] in up.stdout
+    assert state["http"].startswith("http://127.0.0.1:") and state["grpc"].startswith("127.0.0.1:")
+    assert state["ray_address"].startswith("127.0.0.1:") and state["ray_address"] != "127.0.0.1:9"
+    print(f"up in {time.monotonic() - t0:.1f} s")
+
+    # A second `up` refuses while this one runs.
+    again = pdserve(state_dir, "up", "--model", str(tiny_model), *overrides(SETTINGS))
+    assert again.returncode != 0 and f"already up (pid {head})" in again.stdout
+
+    status = pdserve(state_dir, "status")
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    for role in ("prefill", "decode"):
+        assert any(line.split()[:4] == ["pool", role, "replicas", "1"] for line in lines), status.stdout
+        workers = [line.split() for line in lines if line.startswith(f"{role}-")]
+        assert len(workers) == 1 and workers[0][1:3] == [role, "up"], status.stdout
+    as_json = json.loads(pdserve(state_dir, "status", "--json").stdout)
+    assert {w["role"] for w in as_json["workers"]} == {"prefill", "decode"}
+    assert all(w["alive"] and not w["draining"] for w in as_json["workers"])
+
+    assert http_json(state["http"] + "/health") is not None
+    body = {"model": state["model"], "prompt": PROMPT, "max_tokens": GEN, "temperature": 0, "ignore_eos": True}
+    done = http_json(state["http"] + "/v1/completions", body)
+    assert done["usage"]["completion_tokens"] == GEN and done["choices"][0]["finish_reason"] == "length"
+    request_id = done["pdserve"]["request_id"]
+
+    def record() -> dict | None:  # the log is appended just after the response: poll (bounded)
+        out = pdserve(state_dir, "requests", "tail", "-n", "5", "--json")
+        assert out.returncode == 0, out.stderr
+        found = [json.loads(line) for line in out.stdout.splitlines() if request_id in line]
+        return found[0] if found else None
+
+    deadline = time.monotonic() + 20
+    while (rec := record()) is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert rec is not None, f"{request_id} not in the request log"
+    assert rec["finish_reason"] == "length" and rec["output_tokens"] == GEN
+    assert rec["prompt_tokens"] == done["usage"]["prompt_tokens"] > 0
+    assert rec["prefill_worker"].startswith("prefill-") and rec["decode_worker"].startswith("decode-")
+    assert rec["kv_bytes"] > 0 and 0 < rec["ttft_s"] <= rec["total_s"]
+    for field in ("queue_s", "prefill_s", "kv_transfer_s", "decode_s", "cached_prompt_tokens", "attempts"):
+        assert field in rec, field
+    text = pdserve(state_dir, "requests", "tail", "-n", "5").stdout
+    assert any(line.startswith(request_id) and f"out {GEN:5d}" in line for line in text.splitlines()), text
+
+    tree = procs.descendants(head)  # the head, its Ray (GCS, raylet, workers), Redis
+    assert len(tree) >= 5, procs.describe(tree)
+    down = pdserve(state_dir, "down", timeout_s=150)
+    assert down.returncode == 0 and "pdserve is down" in down.stdout, down.stdout + down.stderr
+    assert "killed" not in down.stderr  # stopped by itself, within the timeout
+    assert not (state_dir / "state.json").exists()
+    left = procs.wait_gone(tree, 20.0)
+    assert not left, f"processes of the head still running: {procs.describe(left)}"
+
+    second = pdserve(state_dir, "down")
+    assert second.returncode == 0 and "not up" in second.stdout
+    assert pdserve(state_dir, "status").returncode != 0
+
+
+def test_up_with_a_misspelt_key_names_the_field(state_dir: Path, tiny_model: Path) -> None:
+    config = state_dir / "cluster.yaml"
+    config.write_text(f"model:\n  path: {tiny_model}\ndecode:\n  engine:\n    max_num_seqz: 4\n")
+    out = pdserve(state_dir, "up", "-c", str(config))
+    assert out.returncode != 0
+    assert "decode.engine.max_num_seqz" in out.stderr and "max_num_seqs" in out.stderr, out.stderr
+    assert not (state_dir / "state.json").exists() and not (state_dir / "head.log").exists()
+
+
+def test_config_schema_prints_the_json_schema(state_dir: Path) -> None:
+    out = pdserve(state_dir, "config", "schema")
+    assert out.returncode == 0, out.stderr
+    schema = json.loads(out.stdout)
+    assert {"model", "prefill", "decode", "router", "redis", "ray", "planner"} <= set(schema["properties"])
+    assert "max_num_seqs" in schema["$defs"]["EngineSettings"]["properties"]
