@@ -48,6 +48,7 @@ class PoolManager:
         self.decisions: list[PlannerDecision] = []
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
+        self._join_lock = asyncio.Lock()
         self._prev_stats: dict[str, tuple[float, dict]] = {}
 
     # --------------------------------------------------------------- replicas
@@ -65,25 +66,45 @@ class PoolManager:
         worker_id = self._new_id(role)
         record = self.pools[role]
         record.pending += 1
+        handle: WorkerHandle | None = None
         try:
             handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
                                   num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                                   resources=settings.resources, namespace=self.namespace,
                                   detached=self.detached)
             handle.metadata = await asyncio.wait_for(handle.actor.metadata.remote(), self.ready_timeout_s)
-            other = "decode" if role == "prefill" else "prefill"
-            peers = list(self.pools[other].handles.values())
-            await asyncio.gather(*(handle.actor.add_peer.remote(p.metadata) for p in peers))
-            await asyncio.gather(*(p.actor.add_peer.remote(handle.metadata) for p in peers))
+            # One worker joins at a time: two that became ready together would otherwise each miss
+            # the other (neither is in ``handles`` while it connects): a P/D pair that cannot move KV.
+            async with self._join_lock:
+                await self._connect(handle, role)
+                record.handles[worker_id] = handle
+                self.pool.add(worker_id, role, handle.actor)
         except BaseException:
             record.pending -= 1
             logger.exception("could not start a %s worker", role)
+            if handle is not None:  # not ready, or cancelled while it loaded: never leave it running
+                try:
+                    stop_worker(handle, graceful=False)
+                except Exception as exc:  # noqa: BLE001 - the start's own error is what matters
+                    logger.warning("could not stop the unready worker %s: %s", worker_id, exc)
             raise
         record.pending -= 1
-        record.handles[worker_id] = handle
-        self.pool.add(worker_id, role, handle.actor)
         logger.info("%s worker %s is serving", role, worker_id)
         return worker_id
+
+    async def _connect(self, handle: WorkerHandle, role: str, timeout_s: float = 60.0) -> None:
+        """Make the new worker's NIXL agent and every agent of the other pool know each other.
+        A peer that cannot take the new agent (it died meanwhile) is logged, not fatal."""
+        other = "decode" if role == "prefill" else "prefill"
+        peers = list(self.pools[other].handles.values())
+        await asyncio.wait_for(asyncio.gather(*(handle.actor.add_peer.remote(p.metadata) for p in peers)),
+                               timeout_s)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(p.actor.add_peer.remote(handle.metadata) for p in peers), return_exceptions=True), timeout_s)
+        for peer, result in zip(peers, results):
+            if isinstance(result, BaseException):
+                logger.warning("%s worker %s could not add %s as a peer: %s", other, peer.worker_id,
+                               handle.worker_id, str(result).splitlines()[0] if str(result) else result)
 
     async def drain_and_remove(self, worker_id: str, timeout_s: float = 600.0) -> bool:
         """Stop routing to a worker, wait until it holds no request, then stop it."""

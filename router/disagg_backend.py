@@ -21,10 +21,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pdserve.cluster.ledger import KVLedger, LedgerState
+from pdserve.cluster.ledger import InvalidTransitionError, KVLedger, LedgerState
 from pdserve.engine.block_manager import chain_hashes
 from pdserve.engine.errors import (
     DeadlineExceededError,
+    KVTransferError,
     OutOfBlocksError,
     PdserveError,
     WorkerUnavailableError,
@@ -32,7 +33,7 @@ from pdserve.engine.errors import (
 from pdserve.kv_transfer import TransferParams
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
 from pdserve.router.policy import RoutingDecision, RoutingPolicy
-from pdserve.router.worker_pool import LOST, WorkerLost, WorkerPool, is_actor_death
+from pdserve.router.worker_pool import LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,11 @@ class DisaggBackend:
             if is_actor_death(exc):
                 self.pool.mark_dead(worker_id, str(exc).splitlines()[0])
                 raise WorkerLost(worker_id, "died during a call") from exc
-            raise
+            cause = remote_error(exc)
+            if cause is exc:
+                raise
+            logger.debug("call to %s failed remotely: %s", worker_id, exc)
+            raise cause from None
 
     async def _reserve(self, attempt: str, d: str, num_tokens: int, deadline: float | None) -> bytes:
         wait_until = time.monotonic() + self.reserve_wait_s
@@ -161,7 +166,7 @@ class DisaggBackend:
                 await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority))
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
-                first = await self._handoff(attempt, d, p, prompt, params, req, acc)
+                first = await self._handoff(attempt, d, p, prompt, params, req, acc, queue)
                 if first is not None:
                     yield first
                 if acc.get("ended_at_prefill"):
@@ -198,7 +203,7 @@ class DisaggBackend:
                 await self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0)
 
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
-                       req: GenerateRequest, acc: dict) -> TokenDelta | None:
+                       req: GenerateRequest, acc: dict, queue: asyncio.Queue) -> TokenDelta | None:
         """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
         tp = await self._reserve(attempt, d, len(prompt), req.deadline)
         await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
@@ -206,10 +211,15 @@ class DisaggBackend:
         p_view.inflight_tokens += len(prompt)
         try:
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
-            res = await self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority))
+            res = await self._prefill_unless_decode_lost(
+                d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
+        except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
+            raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
         finally:
             p_view.inflight_tokens -= len(prompt)
         if res.finish_reason in ("error", "abort"):
+            if not self._alive(d):  # its reservation went with it: not the prefill worker's fault
+                raise WorkerLost(d, f"decode worker lost during prefill ({res.error})")
             raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}")
         acc.update(queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes,
                    kv_transfer_s=res.kv_transfer_s, kv_exposed_s=res.kv_exposed_s,
@@ -222,9 +232,43 @@ class DisaggBackend:
             acc["ended_at_prefill"] = res.finish_reason
             return first
         await self._ledger(LedgerState.LANDED, attempt)
-        await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority))
+        try:
+            await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority))
+        except KVTransferError as exc:  # the reservation ended meanwhile (timeout, failed transfer)
+            raise _AttemptFailed(d, f"start on {d} failed: {exc}") from exc
         await self._ledger(LedgerState.DECODING, attempt)
         return first
+
+    async def _prefill_unless_decode_lost(self, d: str, queue: asyncio.Queue, prefill):
+        """The prefill result, or ``WorkerLost(d)`` as soon as the decode worker dies meanwhile
+        (its reserved blocks are gone, so waiting for the prefill is pointless; the caller's
+        cleanup aborts it on the prefill worker). Before ``start`` only ``LOST`` can be queued."""
+        prefill_task = asyncio.ensure_future(prefill)
+        early: list = []
+        try:
+            while not prefill_task.done():
+                lost_task = asyncio.ensure_future(queue.get())
+                try:
+                    await asyncio.wait({prefill_task, lost_task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not lost_task.done():
+                        lost_task.cancel()
+                if lost_task.done() and not lost_task.cancelled():
+                    if lost_task.result() is LOST:
+                        raise WorkerLost(d, "decode worker lost during prefill")
+                    early.append(lost_task.result())
+            return prefill_task.result()
+        finally:
+            for item in early:
+                queue.put_nowait(item)
+            if not prefill_task.done():
+                prefill_task.cancel()
+            elif not prefill_task.cancelled():
+                prefill_task.exception()  # retrieved even when the decode side's loss decides
+
+    def _alive(self, worker_id: str) -> bool:
+        member = self.pool.members.get(worker_id)
+        return member is not None and member.view.alive
 
     def _abort_remote(self, attempt: str, d: str, p: str | None) -> None:
         """Fire-and-forget aborts (safe in ``finally`` during cancellation)."""
@@ -246,6 +290,9 @@ class DisaggBackend:
                 await asyncio.to_thread(self.ledger.reserve, attempt, args[0], args[1], self.lease_s)
             else:
                 await asyncio.to_thread(self.ledger.transition, attempt, op, **kwargs)
+        except InvalidTransitionError as exc:
+            # The reaper got there first (a dead worker's entries are freed at once): nothing to do.
+            logger.info("ledger %s for %s skipped: %s", op, attempt, exc)
         except Exception as exc:
             logger.warning("ledger %s for %s failed: %s", op, attempt, exc)
 

@@ -32,6 +32,15 @@ def is_actor_death(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
+def remote_error(exc: BaseException) -> BaseException:
+    """The worker's own exception inside a Ray task error (so that its message, not Ray's
+    remote traceback, is what the router reports); ``exc`` itself otherwise."""
+    import ray
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
 @dataclass(slots=True)
 class PoolMember:
     worker_id: str

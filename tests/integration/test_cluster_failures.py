@@ -1,0 +1,152 @@
+"""Failures the disaggregated cluster absorbs, end to end: workers killed (``ray.kill``) while
+they hold a request, seen through the unmodified ``openai`` client and gRPC on 127.0.0.1.
+
+One ``RouterService`` starts with two prefill and three decode workers (minimum one each, so
+the pool manager replaces a worker only when a pool is empty); a test that needs more live
+workers than earlier kills left adds them first. Each test kills the worker that holds its
+request, checks that the client's tokens are exactly the engine's (no duplicate, no gap) and
+what the phase record says about attempts and migrations, and ends by checking that the
+surviving workers hold no block and the ledger has no live entry.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+
+# Long enough that prefilling it in 64-token chunks leaves time to kill a worker meanwhile.
+LONG_PROMPT = "Twelve cooks read the whole ticket at once, then each one starts a different dish. " * 90
+SHORT_PROMPT = "Migration keeps the stream going:"
+GEN = 16
+MID = 120  # tokens of the stream a decode worker dies in the middle of
+KILL_AFTER = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, ray_session, redis_server):
+    config = cluster_config(tiny_model, **{"prefill.initial_replicas": 2, "prefill.max_replicas": 2,
+                                           "decode.initial_replicas": 3, "decode.max_replicas": 3})
+    h = ClusterHarness(config, redis_server.url)
+    h.begin_start()  # the workers load while the references are computed
+    try:
+        engine = reference_engine(config)
+        tok = engine.stopper.tokenizer
+        long_ids, short_ids = (list(tok(p)["input_ids"]) for p in (LONG_PROMPT, SHORT_PROMPT))
+        assert len(long_ids) > 1500
+        ref = {LONG_PROMPT: engine.generate([long_ids], greedy(GEN))[0],
+               SHORT_PROMPT: engine.generate([short_ids], greedy(MID))[0]}
+        h.wait_started()
+        h.ref = ref
+        yield h
+    finally:
+        h.stop()
+
+
+def extra(obj) -> dict:
+    return (obj.model_extra or {}).get("pdserve") or {}
+
+
+def stream_tokens(h: ClusterHarness, prompt: str, max_tokens: int, on_chunk=None) -> tuple[list[int], dict]:
+    """Stream a greedy completion; ``on_chunk(n, tokens)`` runs after each chunk. Returns tokens, phase."""
+    stream = h.openai().completions.create(model=h.model_name, prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+    tokens: list[int] = []
+    phase: dict = {}
+    for n, chunk in enumerate(stream, 1):
+        tokens.extend(extra(chunk).get("token_ids", []))
+        phase = extra(chunk).get("phase") or phase
+        if on_chunk is not None:
+            on_chunk(n, tokens)
+    return tokens, phase
+
+
+def kill_during_prefill(h: ClusterHarness, role: str) -> str:
+    """Stream LONG_PROMPT; while it is being prefilled, kill the ``role`` worker that holds it."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(stream_tokens, h, LONG_PROMPT, GEN)
+        h.wait_busy("prefill", timeout_s=30.0, poll_s=0.001)
+        victim = h.busy_member(role)
+        assert victim is not None and h.busy_member("prefill") is not None, "the prefill ended too soon"
+        h.kill(victim)
+        tokens, phase = future.result(timeout=120)
+    assert tokens == h.ref[LONG_PROMPT], "the retried request's tokens differ from the engine's"
+    assert phase["attempts"] >= 2 and phase["migrations"] == 0, phase
+    assert victim.worker_id not in (phase["prefill_worker"], phase["decode_worker"])
+    # The retry still goes through the prefill pool: the surviving prefill worker is not blamed.
+    assert phase["prefill_worker"].startswith("prefill-") and phase["kv_bytes"] > 0, phase
+    return victim.worker_id
+
+
+def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 2)
+    cluster.ensure_replicas("decode", 1)
+    retries = cluster.service.backend.retries
+    kill_during_prefill(cluster, "prefill")
+    assert cluster.service.backend.retries > retries
+    cluster.assert_nothing_held()
+
+
+def test_decode_worker_lost_before_the_first_token_is_retried(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 2)
+    kill_during_prefill(cluster, "decode")
+    cluster.assert_nothing_held()
+
+
+def test_decode_worker_lost_mid_stream_is_migrated_without_gap_or_duplicate(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 2)
+    killed: list[str] = []
+
+    def kill_holder(n: int, tokens: list[int]) -> None:
+        if n == KILL_AFTER:
+            victim = cluster.busy_member("decode")
+            assert victim is not None and len(tokens) < MID
+            cluster.kill(victim)
+            killed.append(victim.worker_id)
+
+    migrations = cluster.service.backend.migrations
+    tokens, phase = stream_tokens(cluster, SHORT_PROMPT, MID, kill_holder)
+    assert killed, "the stream ended before a worker was killed"
+    assert tokens == cluster.ref[SHORT_PROMPT], "the migrated stream has a gap, a duplicate or a wrong token"
+    assert phase["migrations"] == 1 and phase["attempts"] == 2, phase
+    assert phase["output_tokens"] == MID and phase["decode_worker"] != killed[0]
+    assert cluster.service.backend.migrations == migrations + 1
+    cluster.assert_nothing_held()
+
+
+def test_no_decode_worker_left_is_an_explicit_error_until_one_is_replaced(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 1)
+    client = cluster.openai()
+
+    def kill_all_decode(n: int, tokens: list[int]) -> None:
+        if n == KILL_AFTER:
+            for member in cluster.members("decode"):
+                cluster.kill(member)
+
+    # Mid-stream: the headers went out, so the failure arrives as an error event.
+    with pytest.raises(openai.APIError, match="no worker|no decode worker"):
+        stream_tokens(cluster, SHORT_PROMPT, MID, kill_all_decode)
+    # New requests while the replacement starts: 503 and UNAVAILABLE, with an actionable message.
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=4)
+    assert info.value.status_code == 503 and "decode worker" in str(info.value)
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as rpc:
+            list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(text=SHORT_PROMPT), timeout=30))
+        assert rpc.value.code() is grpc.StatusCode.UNAVAILABLE
+    # The pool manager brings the empty pool back to its minimum; requests succeed again.
+    cluster.wait_no_pending()
+    cluster.wait_routable("decode", 1, 180.0)
+    tokens, phase = stream_tokens(cluster, SHORT_PROMPT, MID)
+    assert tokens == cluster.ref[SHORT_PROMPT] and phase["attempts"] == 1
+    cluster.assert_nothing_held()

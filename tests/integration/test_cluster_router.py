@@ -1,0 +1,284 @@
+"""The router over the disaggregated cluster, end to end: a real ``RouterService`` with one
+prefill and two decode Ray actors (NIXL between them, ledger in Redis), the unmodified
+``openai`` client and gRPC stubs over 127.0.0.1, the tiny model.
+
+Every prompt goes through the prefill pool (``local_prefill_max_tokens: 0``) and prompts longer
+than 64 tokens are prefilled in chunks. Greedy outputs are compared token for token with the
+engine alone, run in this process before the cluster starts. Tests that stop a request early
+end by checking that no worker holds a block and that the ledger has no live entry; the module
+ends by checking that nothing at all is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from cluster_helpers import (
+    ClusterHarness,
+    cluster_config,
+    greedy,
+    reference_engine,
+    wait_until,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+GEN = 24
+LONG = 1500  # max_tokens of requests that a test stops early
+SHORT_PROMPT = "The quick brown fox jumps over the lazy dog"
+LONG_PROMPT = "A kitchen at seven in the morning: twelve cooks read the whole ticket at once. " * 8
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+N_STREAMS, STREAM_TOKENS = 200, 8
+STREAM_PROMPTS = [f"Stream {i} of the load test says" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, ray_session, redis_server):
+    config = cluster_config(tiny_model, **{"decode.min_replicas": 2})
+    h = ClusterHarness(config, redis_server.url)
+    h.begin_start()  # the workers load while the references are computed
+    try:
+        engine = reference_engine(config)
+        tok = engine.stopper.tokenizer
+        prompts = {p: list(tok(p)["input_ids"]) for p in [SHORT_PROMPT, LONG_PROMPT]}
+        chat = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        prompts["chat"] = list(tok(chat, add_special_tokens=False)["input_ids"])
+        ref = {k: (ids, out) for (k, ids), out in
+               zip(prompts.items(), engine.generate(list(prompts.values()), greedy(GEN)))}
+        stream_ids = [list(tok(p)["input_ids"]) for p in STREAM_PROMPTS]
+        ref["streams"] = dict(zip(STREAM_PROMPTS, engine.generate(stream_ids, greedy(STREAM_TOKENS))))
+        assert len(ref[LONG_PROMPT][0]) > 2 * config.prefill.engine.max_num_batched_tokens  # chunked prefill
+        h.wait_started()
+        assert len(h.members("prefill")) == 1 and len(h.members("decode")) == 2
+        h.ref = ref
+        h.tokenizer = tok
+        yield h
+        h.assert_nothing_held()
+    finally:
+        h.stop()
+
+
+def check_phase(phase: dict, prompt_tokens: int, output_tokens: int) -> None:
+    """A disaggregated request's record: both workers named, KV moved, times in order."""
+    assert phase["prompt_tokens"] == prompt_tokens and phase["output_tokens"] == output_tokens
+    assert 0 < phase["ttft_s"] <= phase["total_s"], phase
+    assert phase["kv_bytes"] > 0 and phase["kv_transfer_s"] >= 0
+    assert phase["prefill_worker"].startswith("prefill-") and phase["decode_worker"].startswith("decode-")
+    assert phase["finish_reason"] == "length"
+    assert (phase["attempts"], phase["migrations"]) == (1, 0), phase  # no hidden retry on a healthy cluster
+
+
+def extra(obj) -> dict:
+    return (obj.model_extra or {}).get("pdserve") or {}
+
+
+# --------------------------------------------------------------------------- HTTP
+def test_openai_completions_match_the_engine_plain_and_streamed(cluster: ClusterHarness) -> None:
+    client = cluster.openai()
+    for prompt in (SHORT_PROMPT, LONG_PROMPT):
+        ids, expected = cluster.ref[prompt]
+        r = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=GEN, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert extra(r)["token_ids"] == expected
+        assert r.choices[0].text == cluster.tokenizer.decode(expected, skip_special_tokens=True)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), GEN)
+        assert r.choices[0].finish_reason == "length"
+        check_phase(extra(r)["phase"], len(ids), GEN)
+
+        chunks = list(client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=GEN,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert [t for c in chunks for t in extra(c).get("token_ids", [])] == expected
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+        phases = [extra(c)["phase"] for c in chunks if extra(c).get("phase")]
+        assert len(phases) == 1
+        check_phase(phases[0], len(ids), GEN)
+        assert chunks[-1].usage.completion_tokens == GEN
+
+
+def test_openai_chat_matches_the_engine_plain_and_streamed(cluster: ClusterHarness) -> None:
+    client = cluster.openai()
+    ids, expected = cluster.ref["chat"]
+    r = client.chat.completions.create(model=cluster.model_name, messages=CHAT, max_tokens=GEN, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert extra(r)["token_ids"] == expected and r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.role == "assistant"
+    check_phase(extra(r)["phase"], len(ids), GEN)
+    chunks = list(client.chat.completions.create(model=cluster.model_name, messages=CHAT, max_tokens=GEN,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [t for c in chunks for t in extra(c).get("token_ids", [])] == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    check_phase(extra(chunks[-1])["phase"], len(ids), GEN)
+
+
+def test_repeated_prefix_reports_cached_tokens(cluster: ClusterHarness) -> None:
+    prompt = "Cache me if you can, said the long prompt to the prefill worker. " * 6
+    client = cluster.openai()
+    first = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 64
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached == extra(second)["phase"]["cached_prompt_tokens"]
+    assert cached <= second.usage.prompt_tokens - 1
+    assert extra(second)["token_ids"] == extra(first)["token_ids"]
+    assert extra(second)["phase"]["kv_bytes"] > 0  # cached on P still moves to D
+
+
+# --------------------------------------------------------------------------- gRPC
+def test_grpc_matches_the_engine_with_health_and_reflection(cluster: ClusterHarness) -> None:
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "pdserve.v1.Generation"):
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "pdserve.v1.Generation" in db.get_services()
+        assert set(DescriptorPool(db).FindServiceByName("pdserve.v1.Generation").methods_by_name) == {
+            "Generate", "ListModels"}
+
+        stub = pb_grpc.GenerationStub(channel)
+        sampling = pb.SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+        for prompt in (SHORT_PROMPT, LONG_PROMPT):
+            ids, expected = cluster.ref[prompt]
+            for req in (pb.GenerateRequest(text=prompt, sampling=sampling),
+                        pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sampling)):
+                msgs = list(stub.Generate(req, timeout=60))
+                assert [t for m in msgs for t in m.token_ids] == expected
+                assert [m.HasField("final") for m in msgs].count(True) == 1 and msgs[-1].HasField("final")
+                final = msgs[-1].final
+                assert final.finish_reason == pb.FINISH_REASON_LENGTH
+                assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(ids), GEN)
+                p = final.phase
+                assert p.HasField("ttft_s") and 0 < p.ttft_s <= p.total_s and p.kv_bytes > 0
+                assert (p.prompt_tokens, p.output_tokens) == (len(ids), GEN)
+                assert p.prefill_worker.startswith("prefill-") and p.decode_worker.startswith("decode-")
+
+
+# ------------------------------------------------------------------- cancellation
+def test_http_disconnect_mid_stream_frees_every_block(cluster: ClusterHarness) -> None:
+    before = cluster.generated_tokens()
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": cluster.model_name, "prompt": LONG_PROMPT, "max_tokens": LONG, "ignore_eos": True,
+         "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = [resp.readline() for _ in range(6)]  # three events, each "data: ..." + blank line
+    assert all(line.startswith(b"data: {") for line in lines[::2])
+    assert cluster.busy_member("decode") is not None
+    conn.close()
+    cluster.assert_nothing_held()
+    assert cluster.generated_tokens() - before < LONG // 2, "the request ran on after its client left"
+
+
+def test_grpc_cancel_mid_stream_frees_every_block(cluster: ClusterHarness) -> None:
+    before = cluster.generated_tokens()
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        call = stub.Generate(pb.GenerateRequest(text=LONG_PROMPT, sampling=pb.SamplingParams(
+            max_tokens=LONG, ignore_eos=True)), timeout=60)
+        got = [t for _, m in zip(range(3), call) for t in m.token_ids]
+        assert got and cluster.busy_member("decode") is not None
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() is grpc.StatusCode.CANCELLED
+    cluster.assert_nothing_held()
+    assert cluster.generated_tokens() - before < LONG // 2, "the request ran on after its client cancelled"
+
+
+# -------------------------------------------------------------------- concurrency
+def test_two_hundred_concurrent_streams_lose_nothing(cluster: ClusterHarness) -> None:
+    model = cluster.model_name
+    expected = cluster.ref["streams"]
+
+    async def sse_stream(session: aiohttp.ClientSession, prompt: str) -> tuple[str, list[int], str]:
+        body = {"model": model, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        tokens, reason, done = [], None, False
+        async with session.post(cluster.http_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line:
+                    continue
+                assert line.startswith(b"data: "), line
+                if line == b"data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                tokens.extend(event["pdserve"]["token_ids"])
+                reason = event["choices"][0]["finish_reason"] or reason
+        assert done, "the stream ended without [DONE]"
+        return prompt, tokens, reason
+
+    async def openai_stream(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, list[int], str]:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=STREAM_TOKENS,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        tokens, reason = [], None
+        async for chunk in stream:
+            tokens.extend(extra(chunk).get("token_ids", []))
+            reason = (chunk.choices[0].finish_reason if chunk.choices else None) or reason
+        return prompt, tokens, reason
+
+    async def grpc_stream(stub, prompt: str) -> tuple[str, list[int], str]:
+        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
+            max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True))
+        tokens, final = [], None
+        async for msg in stub.Generate(req, timeout=100):
+            tokens.extend(msg.token_ids)
+            final = msg.final if msg.HasField("final") else final
+        assert final is not None and final.usage.completion_tokens == len(tokens)
+        return prompt, tokens, "length" if final.finish_reason == pb.FINISH_REASON_LENGTH else str(final)
+
+    async def run() -> list:
+        client = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=100)
+        timeout = aiohttp.ClientTimeout(total=100)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session, \
+                grpc.aio.insecure_channel(cluster.grpc_target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            jobs = []
+            for i in range(N_STREAMS):
+                prompt = STREAM_PROMPTS[i % len(STREAM_PROMPTS)]
+                kind = i % 5
+                if kind in (0, 2):
+                    jobs.append(grpc_stream(stub, prompt))
+                elif kind == 4:
+                    jobs.append(openai_stream(client, prompt))
+                else:
+                    jobs.append(sse_stream(session, prompt))
+            try:
+                return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 110)
+            finally:
+                await client.close()
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"{len(errors)} of {N_STREAMS} streams failed, first: {errors[0]!r}"
+    assert len(results) == N_STREAMS
+    wrong = [(p, toks) for p, toks, reason in results if toks != expected[p] or reason != "length"]
+    assert not wrong, f"{len(wrong)} streams differ from the engine, first: {wrong[0]} vs {expected[wrong[0][0]]}"
+    wait_until(lambda: cluster.busy_member("decode") is None, 30, "router attempts closed")
+    cluster.assert_nothing_held()
+    print(f"{N_STREAMS} streams in {elapsed:.1f} s")
