@@ -78,13 +78,15 @@ class Endpoints:
 
 class RouterService:
     def __init__(self, config: ClusterConfig, *, redis_url: str | None, namespace: str | None = None,
-                 detached_workers: bool = False, reap_interval_s: float = 2.0) -> None:
+                 detached_workers: bool = False, reap_interval_s: float = 2.0,
+                 redis_namespace: str = "pdserve") -> None:
+        """``redis_namespace`` keeps two clusters sharing one Redis apart (ledger and request log)."""
         self.config = config
         self.redis_url = redis_url
         self.pool = WorkerPool()
         self.manager = PoolManager(config, self.pool, namespace=namespace, detached=detached_workers)
-        self.ledger = KVLedger(redis_url, namespace="pdserve") if redis_url else None
-        self.request_log = RequestLog(redis_url) if redis_url else None
+        self.ledger = KVLedger(redis_url, namespace=redis_namespace) if redis_url else None
+        self.request_log = RequestLog(redis_url, stream=f"{redis_namespace}:requests") if redis_url else None
         self.reap_interval_s = reap_interval_s
         self.backend: DisaggBackend | None = None
         self.serving: Serving | None = None

@@ -117,10 +117,14 @@ class DecodeWorker:
         """Prefill and decode here (conditional disaggregation / migration target)."""
         self._loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, sender_dead: bool = False) -> bool:
+        """End a request wherever it is. ``sender_dead``: its prefill worker's process is known to
+        be gone, so its reserved blocks can be freed at once (no write can still land)."""
         def do(engine: LLMEngine) -> bool:
             res = self._reservations.get(request_id)
             if res is not None:
+                if sender_dead:
+                    res.receiver.sender_gone()
                 # Started but its KV has not landed yet: the caller is draining for it, so end it.
                 started = res.pending_start is not None and not res.ending
                 self._end_reservation(res, "aborted by the router")

@@ -126,6 +126,11 @@ class KVReceiver:
             self._end(RecvState.ABORTED, reason)
             self._ask_sender_to_stop()
 
+    def sender_gone(self) -> None:
+        """The sender's process is known to be dead (its owner saw it die): no write of it can
+        still land, so the blocks become reusable once this receiver has ended."""
+        self._sender_quiet = True
+
     @property
     def blocks_reusable(self) -> bool:
         """True once no write of this request can still land in its blocks (see step 5)."""

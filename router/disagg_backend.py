@@ -167,13 +167,17 @@ class DisaggBackend:
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
                 first = await self._handoff(attempt, d, p, prompt, params, req, acc, queue)
-                if first is not None:
-                    yield first
                 if acc.get("ended_at_prefill"):
+                    # Record FREED before handing out the last token: a caller that stops reading
+                    # after it would otherwise leave the entry live until its lease runs out.
                     finished = True
                     await self._ledger(LedgerState.FREED, attempt)
+                    if first is not None:
+                        yield first
                     yield Finished(str(acc.pop("ended_at_prefill")), {})
                     return
+                if first is not None:
+                    yield first
             while True:
                 timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
                 try:
@@ -272,12 +276,19 @@ class DisaggBackend:
 
     def _abort_remote(self, attempt: str, d: str, p: str | None) -> None:
         """Fire-and-forget aborts (safe in ``finally`` during cancellation)."""
+        p_member = self.pool.members.get(p) if p is not None else None
+        sender_dead = p is not None and (p_member is None or not p_member.view.alive)
         for wid in (d, p):
             if wid is None:
                 continue
             member = self.pool.members.get(wid)
             if member is not None and member.view.alive:
-                member.actor.abort.remote(attempt)
+                if wid == d and sender_dead:
+                    # The prefill process is gone, so nothing can still write into the reserved
+                    # blocks: the decode worker may free them now instead of at expiry.
+                    member.actor.abort.remote(attempt, sender_dead=True)
+                else:
+                    member.actor.abort.remote(attempt)
 
     # --------------------------------------------------------------- helpers
     async def _ledger(self, op, attempt: str, *args, **kwargs) -> None:
