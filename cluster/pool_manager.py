@@ -23,6 +23,8 @@ from pdserve.router.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+# A replica not placed by then is waiting for resources: the autoscaler is asked for them.
+PLACEMENT_GRACE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class PoolManager:
         self._lock = asyncio.Lock()
         self._join_lock = asyncio.Lock()
         self._prev_stats: dict[str, tuple[float, dict]] = {}
+        self._asked_autoscaler = False
 
     # --------------------------------------------------------------- replicas
     def _new_id(self, role: str) -> str:
@@ -72,7 +75,9 @@ class PoolManager:
                                   num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                                   resources=settings.resources, namespace=self.namespace,
                                   detached=self.detached)
-            handle.metadata = await asyncio.wait_for(handle.actor.metadata.remote(), self.ready_timeout_s)
+            handle.metadata = await self._wait_placed(role, handle)
+            if self._asked_autoscaler and not any(r.pending > 1 for r in self.pools.values()):
+                self._clear_resource_request()
             # One worker joins at a time: two that became ready together would otherwise each miss
             # the other (neither is in ``handles`` while it connects): a P/D pair that cannot move KV.
             async with self._join_lock:
@@ -105,6 +110,42 @@ class PoolManager:
             if isinstance(result, BaseException):
                 logger.warning("%s worker %s could not add %s as a peer: %s", other, peer.worker_id,
                                handle.worker_id, str(result).splitlines()[0] if str(result) else result)
+
+    async def _wait_placed(self, role: str, handle: WorkerHandle) -> bytes:
+        """Wait for a new worker to answer. If it is still not placed after ``PLACEMENT_GRACE_S``,
+        ask Ray's autoscaler for the pending replicas' resources, so that on KubeRay the worker
+        group that offers them (``prefill`` / ``decode``) grows by a pod."""
+        ref = handle.actor.metadata.remote()
+        try:
+            return await asyncio.wait_for(asyncio.shield(ref), PLACEMENT_GRACE_S)
+        except asyncio.TimeoutError:
+            self._request_resources()
+        return await asyncio.wait_for(ref, self.ready_timeout_s)
+
+    def _request_resources(self) -> None:
+        bundles = []
+        for role, record in self.pools.items():
+            s = self.config.pool(role)
+            bundle = {"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
+            bundles += [bundle] * record.pending
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+            self._asked_autoscaler = True
+            logger.info("asked the autoscaler for %d worker bundle(s): %s", len(bundles), bundles)
+        except Exception as exc:  # no autoscaler (a fixed local Ray): the replica waits for room
+            logger.info("autoscaler request not possible: %s", exc)
+
+    def _clear_resource_request(self) -> None:
+        """The replicas were placed: withdraw the standing request so the autoscaler can scale in."""
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[])
+        except Exception as exc:
+            logger.info("could not clear the autoscaler request: %s", exc)
+        self._asked_autoscaler = False
 
     async def drain_and_remove(self, worker_id: str, timeout_s: float = 600.0) -> bool:
         """Stop routing to a worker, wait until it holds no request, then stop it."""

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pdserve.engine.errors import CompatibilityError, InvalidRequestError
+from pdserve.kv_transfer.receiver import EXPIRY_SKEW_S
 from pdserve.kv_transfer import (KVAgent, KVLayout, KVReceiver, KVSender, RecvState, SendState,
                                  TransferParams)
 
@@ -284,7 +285,11 @@ def test_incompatible_layouts_are_refused_before_any_write(child: PrefillProcess
         assert reply[:2] == ("error", "CompatibilityError") and "hash" in reply[2]
         assert receiver.poll() is RecvState.WAITING and receiver.stats.writes == 0
         receiver.abort()
-        assert receiver.state is RecvState.ABORTED and receiver.blocks_reusable
+        # Nothing confirmed that no sender will write before the params expire, so the blocks
+        # stay quarantined until then; a sender that learns of the owner's death can say so.
+        assert receiver.state is RecvState.ABORTED and not receiver.blocks_reusable
+        receiver.sender_gone()
+        assert receiver.blocks_reusable
         receiver.close()
     assert not pair.kv.any()
     assert not pair.decode.has_peer("prefill-hd32")
@@ -352,7 +357,11 @@ def test_killed_sender_times_out_the_receiver_without_hanging(fp32_pair: Pair) -
         assert receiver.state is RecvState.TIMED_OUT
         assert not receiver.blocks_reusable  # a write of the dead sender might still land
         time.sleep(1.05)
-        assert receiver.blocks_reusable  # quarantine passed; nobody confirmed
+        # Quarantine passed but the params have not expired (plus skew): still not reusable.
+        assert time.time() < receiver.expires_at + EXPIRY_SKEW_S or receiver.blocks_reusable
+        wait_s = receiver.expires_at + EXPIRY_SKEW_S - time.time()
+        time.sleep(max(0.0, wait_s) + 0.05)
+        assert receiver.blocks_reusable  # expiry and quarantine passed; nobody confirmed
         receiver.close()
         fp32_pair.decode.remove_peer("prefill-doomed")
         fp32_pair.assert_no_leaks()

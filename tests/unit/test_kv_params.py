@@ -146,3 +146,26 @@ def test_metadata_envelope_round_trip_and_version() -> None:
         decode_metadata(bytes(blob))
     with pytest.raises(KVTransferError):
         decode_metadata(b"garbage")
+
+
+def test_params_carry_an_expiry_that_round_trips_and_is_checked() -> None:
+    import time
+
+    from pdserve.kv_transfer import TransferParams
+
+    p = TransferParams(request_id="r", dst_agent="d", dst_blocks=(1, 2), compat_hash="h",
+                       expires_at=time.time() + 60)
+    q = TransferParams.from_bytes(p.to_bytes())
+    assert q == p and not q.expired()
+    assert q.expired(now=p.expires_at + 0.001)
+    assert not TransferParams(request_id="r", dst_agent="d", dst_blocks=(1,), compat_hash="h").expired()
+
+
+def test_negative_expiry_is_refused() -> None:
+    import pytest
+
+    from pdserve.engine.errors import InvalidRequestError
+    from pdserve.kv_transfer import TransferParams
+
+    with pytest.raises(InvalidRequestError, match="expires_at"):
+        TransferParams(request_id="r", dst_agent="d", dst_blocks=(1,), compat_hash="h", expires_at=-1.0)
