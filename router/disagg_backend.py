@@ -178,7 +178,13 @@ class DisaggBackend:
                     return
                 if first is not None:
                     yield first
+            renew_at = time.monotonic() + self.lease_s / 3
             while True:
+                if self.ledger is not None and time.monotonic() >= renew_at:
+                    # A long generation keeps its ledger lease: the reaper must never take the
+                    # blocks of a request that is still decoding.
+                    renew_at = time.monotonic() + self.lease_s / 3
+                    self._renew_later(attempt)
                 timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
                 try:
                     out = await asyncio.wait_for(queue.get(), timeout)
@@ -291,6 +297,15 @@ class DisaggBackend:
                     member.actor.abort.remote(attempt)
 
     # --------------------------------------------------------------- helpers
+    def _renew_later(self, attempt: str) -> None:
+        async def renew() -> None:
+            try:
+                await asyncio.to_thread(self.ledger.renew, attempt, self.lease_s)
+            except Exception as exc:  # finished meanwhile, or Redis away: the next pass retries
+                logger.info("lease renewal of %s: %s", attempt, exc)
+
+        asyncio.get_running_loop().create_task(renew())
+
     async def _ledger(self, op, attempt: str, *args, **kwargs) -> None:
         """Record a ledger step; a Redis outage must not fail the request (the workers' own
         timeouts still free their blocks), so errors are logged."""

@@ -282,3 +282,23 @@ def test_two_hundred_concurrent_streams_lose_nothing(cluster: ClusterHarness) ->
     wait_until(lambda: cluster.busy_member("decode") is None, 30, "router attempts closed")
     cluster.assert_nothing_held()
     print(f"{N_STREAMS} streams in {elapsed:.1f} s")
+
+
+def test_a_generation_longer_than_its_ledger_lease_is_not_reaped(cluster: ClusterHarness) -> None:
+    """The router renews the lease while tokens flow, so the reaper (every 0.5 s here) never
+    takes the blocks of a request that is still decoding, however long it runs."""
+    backend = cluster.service.backend
+    saved = backend.lease_s
+    backend.lease_s = 1.0
+    try:
+        started = time.monotonic()
+        resp = cluster.openai().completions.create(
+            model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=LONG, temperature=0,
+            extra_body={"ignore_eos": True})
+        elapsed = time.monotonic() - started
+    finally:
+        backend.lease_s = saved
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == LONG
+    assert elapsed > 3 * 1.0, f"the request ({elapsed:.1f} s) must outlive several leases to test renewal"
+    cluster.assert_nothing_held()
