@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig, EngineMode
-from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
-from pdserve.kv_transfer import KVAgent, KVReceiver, RecvState
-from pdserve.kv_transfer.engine_layout import layout_of
+from pdserve.kv_transfer import KVReceiver, RecvState
+from pdserve.kv_transfer.kv_worker import KVWorker
 
 logger = logging.getLogger(__name__)
 
@@ -44,37 +43,26 @@ class _Reservation:
     expires_at: float = 0.0
 
 
-class DecodeWorker:
+class DecodeWorker(KVWorker):
+    role = "decode"
+
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
                  outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0) -> None:
         """``kv_quarantine_s``: how long the reserved blocks of a transfer that did not land stay
         unusable when the prefill side never confirms it stopped writing (see ``KVReceiver``)."""
-        if engine_config.mode is not EngineMode.DECODE:
-            raise ValueError("a decode worker needs an engine in decode mode")
         if transfer_timeout_s <= 0 or kv_quarantine_s < 0:
             raise ValueError(f"transfer_timeout_s must be > 0 and kv_quarantine_s >= 0 "
                              f"(got {transfer_timeout_s}, {kv_quarantine_s})")
-        self.worker_id = worker_id
+        super().__init__(worker_id, engine_config, EngineMode.DECODE)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_quarantine_s = kv_quarantine_s
-        self.engine = LLMEngine(engine_config)
-        self.layout = layout_of(self.engine)
-        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
         self._reservations: dict[str, _Reservation] = {}
         self._outbox: list[StepOutput] = []
         self._outbox_cv = threading.Condition()
         self._outbox_limit = outbox_limit
-        self.started_at = time.time()
-        self._loop = EngineLoop(self.engine, self._publish, self._on_tick, name=f"decode-{worker_id}")
-        self._loop.start()
+        self._start_loop(self._publish, self._on_tick)
 
     # ------------------------------------------------------------------ peers
-    def metadata(self) -> bytes:
-        return self.agent.metadata()
-
-    def add_peer(self, peer_metadata: bytes) -> str:
-        return self._loop.call(lambda _e: self.agent.add_peer(peer_metadata))
-
     # ------------------------------------------------------------- handoff
     def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float | None = None) -> bytes:
         """Reserve blocks for a prompt's KV; returns ``TransferParams`` bytes for the prefill worker.
@@ -198,27 +186,11 @@ class DecodeWorker:
         return out
 
     def stats(self) -> dict[str, object]:
-        s = self.engine.stats()
-        return {"worker_id": self.worker_id, "role": "decode", "num_running": s.num_running,
-                "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
-                "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
-                "reservations": len(self._reservations), "generated_tokens": s.generated_tokens,
-                "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
-                "started_at": self.started_at}
-
-    def read_blocks(self, block_ids: list[int]) -> bytes:
-        """Raw bytes of KV blocks (diagnostics and tests: compare what landed with what was sent)."""
-        return self._loop.call(lambda e: e.runner.read_blocks(block_ids))
+        return {**self._base_stats(), "reservations": len(self._reservations)}
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         res = self._reservations.get(request_id)
         return list(res.blocks) if res is not None else []
-
-    def blocks_in_use(self) -> int:
-        return self._loop.call(lambda e: e.block_manager.num_used_blocks)
-
-    def ping(self) -> str:
-        return self.worker_id
 
     def shutdown(self) -> None:
         self._loop.stop()

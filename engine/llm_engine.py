@@ -113,20 +113,19 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request. Raises ``InvalidRequestError`` for input that can never be served."""
-        self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            priority=priority,
-            eos_token_ids=frozenset(self.spec.eos_token_ids),
-            prefill_only=self.mode is EngineMode.PREFILL,
-        )
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        seq.prefill_only = self.mode is EngineMode.PREFILL
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.stopper.start(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: Priority) -> Sequence:
+        self._validate(request_id, prompt_token_ids, params)
+        return Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                        priority=priority, eos_token_ids=frozenset(self.spec.eos_token_ids))
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not request_id:
@@ -203,14 +202,7 @@ class LLMEngine:
         first_token_time: float | None = None,
     ) -> Sequence:
         """Admit a request whose prompt K/V landed in ``block_ids`` and whose first token is known."""
-        self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            priority=priority,
-            eos_token_ids=frozenset(self.spec.eos_token_ids),
-        )
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
         now = time.monotonic()
         seq.arrival_time = arrival_time if arrival_time is not None else now
         seq.first_scheduled_time = seq.arrival_time

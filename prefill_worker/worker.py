@@ -24,12 +24,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig, EngineMode
-from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
-from pdserve.kv_transfer import KVAgent, KVSender, SendState, TransferParams
-from pdserve.kv_transfer.engine_layout import layout_of
+from pdserve.kv_transfer import KVSender, SendState, TransferParams
+from pdserve.kv_transfer.kv_worker import KVWorker
 from pdserve.prefill_worker.result import PrefillResult
 
 logger = logging.getLogger(__name__)
@@ -50,33 +49,22 @@ class _Job:
     src_blocks: list[int] = field(default_factory=list)
 
 
-class PrefillWorker:
+class PrefillWorker(KVWorker):
+    role = "prefill"
+
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
                  overlap_transfer: bool = True) -> None:
         """``overlap_transfer=False`` sends every block only after the whole prompt is computed
         (the baseline the transfer benchmark compares against)."""
-        if engine_config.mode is not EngineMode.PREFILL:
-            raise ValueError("a prefill worker needs an engine in prefill mode")
-        self.worker_id = worker_id
+        super().__init__(worker_id, engine_config, EngineMode.PREFILL)
         self.transfer_timeout_s = transfer_timeout_s
         self.overlap_transfer = overlap_transfer
-        self.engine = LLMEngine(engine_config)
-        self.layout = layout_of(self.engine)
-        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
         self._jobs: dict[str, _Job] = {}
         self._events: list[tuple[str, int]] = []
         self._events_lock = threading.Lock()
-        self.started_at = time.time()
-        self._loop = EngineLoop(self.engine, self._on_outputs, self._on_tick, name=f"prefill-{worker_id}")
-        self._loop.start()
+        self._start_loop(self._on_outputs, self._on_tick)
 
     # ------------------------------------------------------------------ peers
-    def metadata(self) -> bytes:
-        return self.agent.metadata()
-
-    def add_peer(self, peer_metadata: bytes) -> str:
-        return self._loop.call(lambda _e: self.agent.add_peer(peer_metadata))
-
     # --------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                transfer_params: bytes, priority: Priority = Priority.INTERACTIVE) -> Future:
@@ -233,24 +221,7 @@ class PrefillWorker:
         return events
 
     def stats(self) -> dict[str, object]:
-        s = self.engine.stats()
-        return {"worker_id": self.worker_id, "role": "prefill", "num_running": s.num_running,
-                "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
-                "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate, "in_flight": len(self._jobs),
-                "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
-                "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
-                "started_at": self.started_at}
-
-    def read_blocks(self, block_ids: list[int]) -> bytes:
-        """Raw bytes of KV blocks (diagnostics and tests)."""
-        return self._loop.call(lambda e: e.runner.read_blocks(block_ids))
-
-    def blocks_in_use(self) -> int:
-        """KV blocks referenced by a request (0 when idle: nothing leaked)."""
-        return self._loop.call(lambda e: e.block_manager.num_used_blocks)
-
-    def ping(self) -> str:
-        return self.worker_id
+        return {**self._base_stats(), "in_flight": len(self._jobs)}
 
     def shutdown(self) -> None:
         self._loop.stop()

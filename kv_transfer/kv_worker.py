@@ -1,0 +1,61 @@
+"""What a prefill worker and a decode worker share: an engine driven by its own loop thread,
+a NIXL agent over the engine's KV cache, and the control calls around them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.kv_transfer.agent import KVAgent
+from pdserve.kv_transfer.engine_layout import layout_of
+
+
+class KVWorker:
+    """Subclasses set ``role`` and start the loop with their own hooks (``_start_loop``)."""
+
+    role = ""
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig, mode: EngineMode) -> None:
+        if engine_config.mode is not mode:
+            raise ValueError(f"a {self.role} worker needs an engine in {mode.value} mode")
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_config)
+        self.layout = layout_of(self.engine)
+        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
+        self.started_at = time.time()
+        self._loop: EngineLoop | None = None
+
+    def _start_loop(self, on_outputs: Callable[[list[StepOutput]], None], on_tick: Callable[[], bool]) -> None:
+        self._loop = EngineLoop(self.engine, on_outputs, on_tick, name=f"{self.role}-{self.worker_id}")
+        self._loop.start()
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def add_peer(self, peer_metadata: bytes) -> str:
+        return self._loop.call(lambda _e: self.agent.add_peer(peer_metadata))
+
+    # ------------------------------------------------------------- status
+    def _base_stats(self) -> dict[str, object]:
+        s = self.engine.stats()
+        return {"worker_id": self.worker_id, "role": self.role, "num_running": s.num_running,
+                "num_waiting": s.num_waiting, "num_free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks,
+                "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
+                "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
+                "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
+                "started_at": self.started_at}
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Raw bytes of KV blocks (diagnostics and tests compare what was sent and what landed)."""
+        return self._loop.call(lambda e: e.runner.read_blocks(block_ids))
+
+    def blocks_in_use(self) -> int:
+        """KV blocks referenced by a request or reservation (0 when idle: nothing leaked)."""
+        return self._loop.call(lambda e: e.block_manager.num_used_blocks)
+
+    def ping(self) -> str:
+        return self.worker_id
