@@ -40,8 +40,9 @@ def _add_config_source(p: argparse.ArgumentParser) -> None:
 def _up(args: argparse.Namespace) -> int:
     from pdserve.cluster import launcher
 
-    load_cli_config(args.config, args.model, args.set)  # fail fast on a bad config, before forking
-    return launcher.up(args.config, args.model, args.set, args.foreground, args.timeout)
+    overrides = list(args.set) + ([f"ray.address={args.address}"] if args.address else [])
+    load_cli_config(args.config, args.model, overrides)  # fail fast on a bad config, before forking
+    return launcher.up(args.config, args.model, overrides, args.foreground, args.timeout)
 
 
 def _head(args: argparse.Namespace) -> int:
@@ -115,7 +116,9 @@ def _demo(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start Ray (or join one), Redis, the router and both worker pools")
     _add_config_source(p)
-    p.add_argument("--foreground", action="store_true", help="run the head in this process until Ctrl-C")
+    p.add_argument("--address", help="join this Ray cluster ('auto' on a Ray node) instead of starting one")
+    p.add_argument("--foreground", action="store_true",
+                   help="run the head in this process until SIGTERM/Ctrl-C (containers, e.g. KubeRay)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the pools to be ready")
     p.set_defaults(func=_up)
 

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
+from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,11 @@ def _pid_alive(pid: int) -> bool:
 async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, write_state: bool = True) -> dict:
     """Run the head until ``stop`` is set (or SIGTERM/SIGINT); ``ready`` is set once serving."""
-    use_loopback()
+    if config.ray.address and config.ray.address not in ("local",) and not config.ray.address.startswith(
+            ("127.", "localhost")):
+        use_routable()  # joining a cluster of several hosts: keep Ray's own node IP choice
+    else:
+        use_loopback()
     import ray
 
     from pdserve.cluster.redis_server import EmbeddedRedis, connect

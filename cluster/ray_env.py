@@ -21,3 +21,12 @@ def use_loopback() -> None:
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # ray already imported: the switch was read; set it directly
         constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false")
+
+
+def use_routable() -> None:
+    """Undo ``use_loopback`` for a process that joins a multi-host Ray cluster (KubeRay): there
+    the node IP must be the host's routable address, as Ray chooses it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = True
