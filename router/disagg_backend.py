@@ -115,12 +115,15 @@ class DisaggBackend:
 
     # -------------------------------------------------------------- attempts
     async def _route(self, prompt: list[int], excluded: set[str]) -> RoutingDecision:
+        """Pick workers, avoiding those that failed this request before; when that leaves no
+        decode worker, the earlier ones are tried again (their failure may have been transient)."""
         hashes = chain_hashes(prompt, self.policy.block_size)
-        decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
-                                      self.pool.views("decode"), frozenset(excluded))
-        if decision is None:
-            raise WorkerUnavailableError("no decode worker is alive to serve this request")
-        return decision
+        for skip in (frozenset(excluded), frozenset()):
+            decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
+                                          self.pool.views("decode"), skip)
+            if decision is not None:
+                return decision
+        raise WorkerUnavailableError("no decode worker is alive to serve this request")
 
     async def _call(self, worker_id: str, ref_fn, timeout_s: float | None = None):
         """Await one Ray call; a dead worker becomes ``WorkerLost``."""

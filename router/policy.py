@@ -78,6 +78,10 @@ class RoutingPolicy:
         """Pick a decode worker and a prefill worker (or local prefill); None if no decode worker."""
         d_candidates = [w for w in decode if w.routable and w.worker_id not in exclude]
         if not d_candidates:
+            # A draining worker still serves when nothing else can (it only stops getting work
+            # while another worker is there to take it).
+            d_candidates = [w for w in decode if w.alive and w.worker_id not in exclude]
+        if not d_candidates:
             return None
         d = max(d_candidates, key=self._decode_score)
         p_candidates = [w for w in prefill if w.routable and w.worker_id not in exclude]
