@@ -57,6 +57,9 @@ class EngineConfig:
     mode: EngineMode = EngineMode.COLOCATED
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
     seed: int = 0
+    # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
+    # engine then decodes text only for requests with stop strings.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -95,7 +95,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         # A sequence may not outgrow the whole KV pool: it would preempt itself forever.
         token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
-        self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit)
+        self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit,
+                                   emit_text=config.detokenize)
         self.mode = config.mode
         self._held: dict[str, Sequence] = {}          # prefill-only: finished, blocks kept for transfer
         self._pending: list[StepOutput] = []          # outputs produced outside step() (aborts, instant stops)

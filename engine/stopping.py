@@ -25,14 +25,17 @@ class _TextState:
 
 
 class StopChecker:
-    def __init__(self, model_dir: str | Path | None, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, model_dir: str | Path | None, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 emit_text: bool = True) -> None:
         self.tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+        self._emit_text = emit_text
         self._eos = frozenset(eos_token_ids)
         self._max_model_len = max_model_len
         self._text: dict[str, _TextState] = {}
 
     def start(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
+        """Track the request's text when it is wanted or its stop strings need it."""
+        if self.tokenizer is not None and (self._emit_text or seq.params.stop):
             self._text[seq.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
 
     def discard(self, request_id: str) -> None:

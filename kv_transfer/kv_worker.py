@@ -4,6 +4,7 @@ a NIXL agent over the engine's KV cache, and the control calls around them."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 from pdserve.engine.config import EngineConfig, EngineMode
@@ -22,7 +23,8 @@ class KVWorker:
         if engine_config.mode is not mode:
             raise ValueError(f"a {self.role} worker needs an engine in {mode.value} mode")
         self.worker_id = worker_id
-        self.engine = LLMEngine(engine_config)
+        # The router detokenizes; the worker's engine decodes text only for stop strings.
+        self.engine = LLMEngine(replace(engine_config, detokenize=False))
         self.layout = layout_of(self.engine)
         self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
         self.started_at = time.time()
