@@ -14,7 +14,9 @@ Life of one entry (one placement attempt of one request):
 
 Any non-terminal state may go to FAILED (blocks may still be held on either side); FAILED ->
 FREED once every side has released. RESERVED, LANDED and DECODING may go to FREED directly
-(abort). Every change is one Lua script, so concurrent writers cannot interleave, and an illegal
+(abort), and so may TRANSFERRING when the prefill itself ended the request (EOS or
+``max_tokens`` at its first token: the prefill side released its blocks and no KV was sent, the
+decode side's reservation is aborted). Every change is one Lua script, so concurrent writers cannot interleave, and an illegal
 change raises ``InvalidTransitionError``. Every non-terminal entry sits in a sorted set scored by
 its lease deadline (Redis server clock, epoch seconds), so ``expired()`` is one range query.
 A retried request must use a new ``request_id`` per attempt (e.g. ``f"{rid}#2"``).
@@ -75,7 +77,7 @@ S = LedgerState
 #: Legal moves, source -> targets. FREED is the only terminal state.
 TRANSITIONS: dict[LedgerState, frozenset[LedgerState]] = {
     S.RESERVED: frozenset({S.TRANSFERRING, S.DECODING, S.FAILED, S.FREED}),
-    S.TRANSFERRING: frozenset({S.LANDED, S.FAILED}),
+    S.TRANSFERRING: frozenset({S.LANDED, S.FAILED, S.FREED}),
     S.LANDED: frozenset({S.DECODING, S.FAILED, S.FREED}),
     S.DECODING: frozenset({S.FAILED, S.FREED}),
     S.FAILED: frozenset({S.FREED}),

@@ -135,6 +135,18 @@ def test_repeated_prefix_reports_cached_tokens(cluster: ClusterHarness) -> None:
     assert extra(second)["phase"]["kv_bytes"] > 0  # cached on P still moves to D
 
 
+def test_request_ended_by_its_prefill_frees_its_ledger_entry_at_once(cluster: ClusterHarness) -> None:
+    """max_tokens 1 (as a migration with one token left also asks): the prefill worker's token
+    ends the request, so its entry goes TRANSFERRING -> FREED at once, not at lease expiry."""
+    r = cluster.openai().completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=1,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+    assert extra(r)["token_ids"] == cluster.ref[SHORT_PROMPT][1][:1]
+    wait_until(lambda: not cluster.ledger_active(), 5.0, "the ledger entry freed (lease is 120 s)")
+    entry = cluster.service.ledger.get(f"{r.id}#1")
+    assert entry is not None and entry.state.value == "FREED" and entry.held_sides() == ()
+
+
 # --------------------------------------------------------------------------- gRPC
 def test_grpc_matches_the_engine_with_health_and_reflection(cluster: ClusterHarness) -> None:
     from google.protobuf.descriptor_pool import DescriptorPool
