@@ -19,6 +19,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# Ray starts worker processes at niceness 15 by default; pdserve's workers serve at 0.
+ENV RAY_worker_niceness=0
 
 # wget: KubeRay's exec health probes for older Ray versions; ca-certificates: TLS clients.
 RUN apt-get update \

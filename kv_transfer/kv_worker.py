@@ -3,6 +3,7 @@ a NIXL agent over the engine's KV cache, and the control calls around them."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class KVWorker:
                 "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
                 "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
                 "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
-                "started_at": self.started_at}
+                "started_at": self.started_at, "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Raw bytes of KV blocks (diagnostics and tests compare what was sent and what landed)."""

@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray's node IP stays 127.0.0.1 only with this set before ray is imported (see cluster/ray_env.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray starts workers at niceness 15 by default: the test process (router, clients) would starve them.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

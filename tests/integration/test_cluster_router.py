@@ -20,6 +20,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+import ray
 from cluster_helpers import (
     ClusterHarness,
     cluster_config,
@@ -66,6 +67,13 @@ def cluster(tiny_model, ray_session, redis_server):
         h.assert_nothing_held()
     finally:
         h.stop()
+
+
+def test_workers_run_at_normal_cpu_priority(cluster: ClusterHarness) -> None:
+    """Ray would start them at niceness 15, behind the router and every other process."""
+    stats = ray.get([m.actor.stats.remote() for m in cluster.members("prefill") + cluster.members("decode")],
+                    timeout=30)
+    assert [st["niceness"] for st in stats] == [0] * 3
 
 
 def check_phase(phase: dict, prompt_tokens: int, output_tokens: int) -> None:

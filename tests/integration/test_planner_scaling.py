@@ -17,13 +17,15 @@ import time
 from dataclasses import dataclass
 
 import pytest
-import ray
 
 from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 GEN = 64
+# Burst requests run ~4x longer, so that the worker killed mid-burst holds streams with many
+# tokens still to come (a short stream may end between choosing the victim and killing it).
+BURST_GEN = 256
 PROMPTS = [f"Request {i} of the burst asks the decode pool for a long answer about" for i in range(4)]
 # Long enough that its chunked prefill (64 tokens a step) lasts while the test kills the worker.
 LONG_PROMPT = "Twelve cooks read the whole ticket at once, then each one starts a different dish. " * 60
@@ -105,7 +107,7 @@ class Load:
         assert len(self.outcomes) == self.started
         errors = [o.error for o in self.outcomes if o.error]
         assert not errors, errors[:3]
-        wrong = [(o.prompt[:30], o.phase) for o in self.outcomes if o.tokens != ref[o.prompt]]
+        wrong = [(o.prompt[:30], o.phase) for o in self.outcomes if o.tokens != ref[o.prompt][:self.max_tokens]]
         assert not wrong, f"{len(wrong)} of {len(self.outcomes)} requests differ from the engine: {wrong[:2]}"
 
 
@@ -115,7 +117,7 @@ def cluster(tiny_model, ray_session, redis_server):
     engine = reference_engine(config)
     tok = engine.stopper.tokenizer
     ids = [list(tok(p)["input_ids"]) for p in PROMPTS]
-    ref = dict(zip(PROMPTS, engine.generate(ids, greedy(GEN))))
+    ref = dict(zip(PROMPTS, engine.generate(ids, greedy(BURST_GEN))))  # GEN requests: its prefix
     long_ids = list(tok(LONG_PROMPT)["input_ids"])
     assert len(long_ids) > 900
     ref[LONG_PROMPT] = engine.generate([long_ids], greedy(LONG_GEN))[0]
@@ -133,18 +135,18 @@ def handles(h: ClusterHarness, role: str) -> set[str]:
     return set(h.service.manager.pools[role].handles)
 
 
-def running_most(h: ClusterHarness, at_least: int, timeout_s: float):
-    """The decode worker running the most sequences, once one runs ``at_least`` of them."""
+def streaming_most(h: ClusterHarness, at_least: int, timeout_s: float):
+    """The decode worker holding the most streams the router has open on it (each stream has
+    many tokens to go), once one holds ``at_least`` of them."""
     found = []
 
     def busy() -> bool:
-        members = h.members("decode")
-        stats = ray.get([m.actor.stats.remote() for m in members], timeout=30)
-        running = [int(st.get("num_running", 0)) for st in stats]
-        found[:] = [members[running.index(max(running))]] if running and max(running) >= at_least else []
+        members = [m for m in h.members("decode") if m.view.alive]
+        best = max(members, key=lambda m: m.view.inflight_requests, default=None)
+        found[:] = [best] if best is not None and best.view.inflight_requests >= at_least else []
         return bool(found)
 
-    wait_until(busy, timeout_s, f"a decode worker running {at_least} sequences", 0.05)
+    wait_until(busy, timeout_s, f"a decode worker streaming {at_least} requests", 0.01)
     return found[0]
 
 
@@ -152,17 +154,16 @@ def test_decode_pool_scales_up_under_load_survives_a_kill_and_drains_when_quiet(
     h = cluster
     (first,) = handles(h, "decode")
     svc = h.service
-    with Load(h, 8, PROMPTS, GEN) as burst:
+    with Load(h, 8, PROMPTS, BURST_GEN) as burst:
         # 8 streams on one replica of max_num_seqs 4: utilisation ~2 -> the planner adds one.
         wait_until(lambda: len(handles(h, "decode")) == 2, START_S, "a second decode replica")
         (second,) = handles(h, "decode") - {first}
         assert svc.manager.pools["decode"].last_scale_up_at is not None
         wait_until(lambda: burst.served_by(second) > 0, 60.0, "the new replica serving requests")
 
-        # Kill the replica running the most streams (as the workers themselves report): its
-        # requests move to the other one.
+        # Kill the replica streaming the most requests: they move to the other one.
         before = svc.backend.migrations + svc.backend.retries
-        victim = running_most(h, at_least=2, timeout_s=30.0)
+        victim = streaming_most(h, at_least=2, timeout_s=30.0)
         h.kill(victim)
         wait_until(lambda: victim.worker_id not in handles(h, "decode"), 30.0, "the dead worker forgotten")
         # Still overloaded on one replica: the planner brings the pool back to two.
@@ -171,7 +172,7 @@ def test_decode_pool_scales_up_under_load_survives_a_kill_and_drains_when_quiet(
         wait_until(lambda: svc.backend.migrations + svc.backend.retries > before, 60.0,
                    f"requests of the killed {victim.worker_id} migrated or retried")
     burst.check(h.ref)
-    assert len(burst.outcomes) >= 16
+    assert len(burst.outcomes) >= 8
 
     # Light load (two streams, ~25% utilisation): one replica is drained and removed; the
     # streams it held finish first.

@@ -234,6 +234,17 @@ def test_worker_groups_expose_the_pool_resources(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_container_starts_workers_at_normal_priority(rendered, overlay):
+    """Ray's raylet starts worker processes at niceness 15 unless told otherwise."""
+    spec = one(rendered[overlay], "RayCluster")["spec"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    for pod in pods:
+        ray_container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in ray_container.get("env", [])}
+        assert env.get("RAY_worker_niceness") == "0", ray_container["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_autoscaling_and_gcs_fault_tolerance(rendered, overlay):
     objs = rendered[overlay]
     spec = one(objs, "RayCluster")["spec"]
