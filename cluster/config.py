@@ -219,6 +219,12 @@ class RouterSettings(_Settings):
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may run end to end "
                                      "before it fails with DEADLINE_EXCEEDED / HTTP 504.")
+    worker_stats_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer its "
+                                          "health/load poll within this long gets no new requests "
+                                          "until it answers again.")
+    worker_dead_after_s: float = Field(30.0, gt=0, description="A worker silent this long is killed "
+                                       "and replaced; its streams move to other workers. Keep it "
+                                       "above the longest engine step of the model.")
     disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings,
                                                    description="When to prefill on the prefill pool.")
 
@@ -236,6 +242,9 @@ class RouterSettings(_Settings):
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
             raise ValueError(f"{missing}: tls_cert_file and tls_key_file must be set together")
+        if self.worker_dead_after_s <= self.worker_stats_timeout_s:
+            raise ValueError(f"worker_dead_after_s: must be longer than worker_stats_timeout_s "
+                             f"({self.worker_stats_timeout_s})")
         if self.http_port and self.http_port == self.grpc_port:
             raise ValueError(f"grpc_port: must differ from http_port ({self.http_port})")
         return self

@@ -277,7 +277,8 @@ def format_status(status: dict) -> str:
         lines.append(f"pool {role:8s} replicas {p['replicas']}  pending {p['pending']}  draining {len(p['draining'])}")
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} {'hit':>6s}")
     for w in status.get("workers", []):
-        state = "draining" if w["draining"] else ("up" if w["alive"] else "dead")
+        state = ("dead" if not w["alive"] else "silent" if not w.get("responsive", True)
+                 else "draining" if w["draining"] else "up")
         lines.append(f"{w['worker_id']:24s} {w['role']:8s} {state:9s} {w['kv_usage'] * 100:5.1f}% {w['running']:4d} "
                      f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}%")
     for d in status.get("planner", []):

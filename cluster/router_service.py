@@ -83,7 +83,8 @@ class RouterService:
         """``redis_namespace`` keeps two clusters sharing one Redis apart (ledger and request log)."""
         self.config = config
         self.redis_url = redis_url
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(stats_timeout_s=config.router.worker_stats_timeout_s,
+                               dead_after_s=config.router.worker_dead_after_s)
         self.manager = PoolManager(config, self.pool, namespace=namespace, detached=detached_workers)
         self.ledger = KVLedger(redis_url, namespace=redis_namespace) if redis_url else None
         self.request_log = RequestLog(redis_url, stream=f"{redis_namespace}:requests") if redis_url else None
@@ -221,6 +222,7 @@ class RouterService:
         for wid, m in self.pool.members.items():
             v = m.view
             workers.append({"worker_id": wid, "role": m.role, "alive": v.alive, "draining": v.draining,
+                            "responsive": v.unresponsive_since is None,
                             "kv_usage": 1.0 - v.num_free_blocks / max(1, v.num_blocks),
                             "running": v.num_running, "waiting": v.num_waiting,
                             "prefix_hit_rate": v.stats.get("prefix_hit_rate", 0.0),

@@ -50,7 +50,8 @@ class KVWorker:
                 "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
                 "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
                 "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
-                "started_at": self.started_at, "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+                "started_at": self.started_at, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+                "pid": os.getpid()}
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Raw bytes of KV blocks (diagnostics and tests compare what was sent and what landed)."""

@@ -33,9 +33,15 @@ class WorkerView:
     started_at: float = 0.0                              # wall clock, from the worker
     stats: dict = field(default_factory=dict)            # the worker's latest raw stats
 
+    unresponsive_since: float | None = None              # monotonic time its polls began to fail
+
+    @property
+    def responsive(self) -> bool:
+        return self.alive and self.unresponsive_since is None
+
     @property
     def routable(self) -> bool:
-        return self.alive and not self.draining
+        return self.responsive and not self.draining
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,7 @@ class RoutingPolicy:
         if not d_candidates:
             # A draining worker still serves when nothing else can (it only stops getting work
             # while another worker is there to take it).
-            d_candidates = [w for w in decode if w.alive and w.worker_id not in exclude]
+            d_candidates = [w for w in decode if w.responsive and w.worker_id not in exclude]
         if not d_candidates:
             return None
         d = max(d_candidates, key=self._decode_score)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +51,21 @@ class PoolMember:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.05) -> None:
+    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.05, *,
+                 stats_timeout_s: float = 5.0, dead_after_s: float = 30.0) -> None:
+        """A worker whose stats poll takes longer than ``stats_timeout_s`` gets no new work; one
+        silent for ``dead_after_s`` is killed (a hung process must not keep its blocks, its
+        streams or its Ray resources) and treated as lost."""
         self.members: dict[str, PoolMember] = {}
         self._queues: dict[str, asyncio.Queue] = {}      # attempt id -> stream
         self._attempt_worker: dict[str, str] = {}         # attempt id -> decode worker id
         self._tasks: dict[str, asyncio.Task] = {}
+        self._polls: dict[str, asyncio.Task] = {}         # worker id -> its stats poll in flight
         self._monitor: asyncio.Task | None = None
         self._stats_interval_s = stats_interval_s
         self._drain_timeout_s = drain_timeout_s
+        self.stats_timeout_s = stats_timeout_s
+        self.dead_after_s = dead_after_s
         self.on_worker_lost: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------ membership
@@ -125,7 +133,8 @@ class WorkerPool:
                 self._tasks[wid] = loop.create_task(self._pump(wid))
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values()) + ([self._monitor] if self._monitor else [])
+        tasks = (list(self._tasks.values()) + list(self._polls.values())
+                 + ([self._monitor] if self._monitor else []))
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -152,30 +161,69 @@ class WorkerPool:
                     q.put_nowait(out)
 
     async def _monitor_loop(self) -> None:
+        """Poll every live worker each interval; a worker whose poll is still out is skipped, so
+        one hung worker never delays what the router knows of the others."""
         while True:
             await asyncio.sleep(self._stats_interval_s)
-            await self.refresh()
+            for wid, member in list(self.members.items()):
+                if member.view.alive and wid not in self._polls:
+                    task = asyncio.get_running_loop().create_task(self._poll(wid, member))
+                    self._polls[wid] = task
+                    task.add_done_callback(lambda _t, w=wid: self._polls.pop(w, None))
 
     async def refresh(self) -> None:
         """Pull every live worker's stats (and a prefill worker's KV events) once."""
-        for wid, member in list(self.members.items()):
-            if not member.view.alive:
-                continue
+        await asyncio.gather(*(self._poll(wid, m) for wid, m in list(self.members.items()) if m.view.alive))
+
+    async def _poll(self, wid: str, member: PoolMember) -> None:
+        asked = time.monotonic()
+        try:
+            stats = await asyncio.wait_for(member.actor.stats.remote(), timeout=self.stats_timeout_s)
+            if member.role == "prefill":
+                events = await asyncio.wait_for(member.actor.drain_kv_events.remote(),
+                                                timeout=self.stats_timeout_s)
+                apply_kv_events(member.view, events)
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:
+            self._unresponsive(wid, member, asked)
+            return
+        except Exception as exc:
+            if is_actor_death(exc):
+                self.mark_dead(wid, f"{type(exc).__name__}: {exc}".splitlines()[0])
+            else:
+                logger.warning("stats of %s failed: %s", wid, exc)
+            return
+        self._update(member, stats)
+
+    def _unresponsive(self, wid: str, member: PoolMember, asked: float) -> None:
+        v = member.view
+        if not v.alive:
+            return
+        if v.unresponsive_since is None:
+            v.unresponsive_since = asked
+            logger.warning("worker %s did not answer within %.0f s: no new requests go to it until it "
+                           "does (killed after %.0f s)", wid, self.stats_timeout_s, self.dead_after_s)
+        silent = time.monotonic() - v.unresponsive_since
+        if silent >= self.dead_after_s:
+            import ray
+
+            logger.error("worker %s silent for %.0f s: killing it", wid, silent)
             try:
-                stats = await asyncio.wait_for(member.actor.stats.remote(), timeout=5.0)
-                if member.role == "prefill":
-                    events = await asyncio.wait_for(member.actor.drain_kv_events.remote(), timeout=5.0)
-                    apply_kv_events(member.view, events)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if is_actor_death(exc) or isinstance(exc, asyncio.TimeoutError):
-                    self.mark_dead(wid, f"{type(exc).__name__}: {exc}".splitlines()[0])
-                continue
-            v = member.view
-            v.num_blocks = int(stats.get("num_blocks", v.num_blocks))
-            v.num_free_blocks = int(stats.get("num_free_blocks", v.num_free_blocks))
-            v.num_running = int(stats.get("num_running", 0))
-            v.num_waiting = int(stats.get("num_waiting", 0))
-            v.started_at = float(stats.get("started_at", v.started_at))
-            v.stats = stats
+                ray.kill(member.actor, no_restart=True)
+            except Exception as exc:  # already gone: dead either way
+                logger.warning("could not kill %s: %s", wid, exc)
+            self.mark_dead(wid, f"unresponsive for {silent:.0f} s, killed")
+
+    def _update(self, member: PoolMember, stats: dict) -> None:
+        if member.view.unresponsive_since is not None:
+            logger.warning("worker %s answers again after %.1f s", member.worker_id,
+                           time.monotonic() - member.view.unresponsive_since)
+            member.view.unresponsive_since = None
+        v = member.view
+        v.num_blocks = int(stats.get("num_blocks", v.num_blocks))
+        v.num_free_blocks = int(stats.get("num_free_blocks", v.num_free_blocks))
+        v.num_running = int(stats.get("num_running", 0))
+        v.num_waiting = int(stats.get("num_waiting", 0))
+        v.started_at = float(stats.get("started_at", v.started_at))
+        v.stats = stats

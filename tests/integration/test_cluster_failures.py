@@ -1,5 +1,5 @@
-"""Failures the disaggregated cluster absorbs, end to end: workers killed (``ray.kill``) while
-they hold a request, seen through the unmodified ``openai`` client and gRPC on 127.0.0.1.
+"""Failures the disaggregated cluster absorbs, end to end: workers killed (``ray.kill``) or frozen
+(``SIGSTOP``) while they hold a request, seen through the unmodified ``openai`` client and gRPC on 127.0.0.1.
 
 One ``RouterService`` starts with two prefill and three decode workers (minimum one each, so
 the pool manager replaces a worker only when a pool is empty); a test that needs more live
@@ -11,12 +11,15 @@ surviving workers hold no block and the ledger has no live entry.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
-from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine
+from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -120,6 +123,74 @@ def test_decode_worker_lost_mid_stream_is_migrated_without_gap_or_duplicate(clus
     assert phase["migrations"] == 1 and phase["attempts"] == 2, phase
     assert phase["output_tokens"] == MID and phase["decode_worker"] != killed[0]
     assert cluster.service.backend.migrations == migrations + 1
+    cluster.assert_nothing_held()
+
+
+@contextlib.contextmanager
+def liveness(h: ClusterHarness, stats_timeout_s: float, dead_after_s: float):
+    """Shorter liveness thresholds on the router's pool for one test."""
+    pool = h.service.pool
+    saved = pool.stats_timeout_s, pool.dead_after_s
+    pool.stats_timeout_s, pool.dead_after_s = stats_timeout_s, dead_after_s
+    try:
+        yield
+    finally:
+        pool.stats_timeout_s, pool.dead_after_s = saved
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_briefly_frozen_worker_gets_no_new_requests_then_serves_again(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 2)
+    frozen, other = cluster.members("decode")[:2]
+    pid = frozen.view.stats["pid"]
+    with liveness(cluster, stats_timeout_s=1.0, dead_after_s=60.0):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: not frozen.view.routable, 10.0, "the frozen worker taken out of routing")
+            assert frozen.view.alive  # not declared dead: it may come back
+            tokens, phase = stream_tokens(cluster, SHORT_PROMPT, MID)
+            assert tokens == cluster.ref[SHORT_PROMPT] and phase["decode_worker"] == other.worker_id
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: frozen.view.routable, 15.0, "the worker routable again once it answers")
+    assert frozen.view.alive and not process_gone(pid)
+    cluster.assert_nothing_held()
+
+
+def test_a_hung_decode_worker_is_killed_and_its_stream_migrated(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 2)
+    frozen: list = []
+
+    def freeze_holder(n: int, tokens: list[int]) -> None:
+        if n == KILL_AFTER:
+            victim = cluster.busy_member("decode")
+            assert victim is not None and len(tokens) < MID
+            frozen.append((victim, victim.view.stats["pid"]))
+            os.kill(frozen[0][1], signal.SIGSTOP)  # alive to the OS and to Ray, but silent
+
+    migrations = cluster.service.backend.migrations
+    with liveness(cluster, stats_timeout_s=1.0, dead_after_s=4.0):
+        try:
+            tokens, phase = stream_tokens(cluster, SHORT_PROMPT, MID, freeze_holder)
+        finally:
+            if frozen and not process_gone(frozen[0][1]):
+                os.kill(frozen[0][1], signal.SIGCONT)
+    assert frozen, "the stream ended before a worker was frozen"
+    victim, pid = frozen[0]
+    assert tokens == cluster.ref[SHORT_PROMPT], "the migrated stream has a gap, a duplicate or a wrong token"
+    assert phase["migrations"] == 1 and phase["decode_worker"] != victim.worker_id, phase
+    assert cluster.service.backend.migrations == migrations + 1
+    assert not victim.view.alive and victim.worker_id not in cluster.service.manager.pools["decode"].handles
+    wait_until(lambda: process_gone(pid), 30.0, "the hung worker's process killed")
     cluster.assert_nothing_held()
 
 

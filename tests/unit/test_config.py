@@ -141,6 +141,8 @@ ERROR_CASES = [
      "cluster.yaml:2: router.tls_key_file: tls_cert_file and tls_key_file must be set together"),
     ("same ports", M + "router: {http_port: 9000, grpc_port: 9000}\n",
      "cluster.yaml:2: router.grpc_port: must differ from http_port (9000)"),
+    ("liveness thresholds", M + "router: {worker_stats_timeout_s: 10, worker_dead_after_s: 10}\n",
+     "cluster.yaml:2: router.worker_dead_after_s: must be longer than worker_stats_timeout_s (10.0)"),
     ("redis scheme", M + "redis: {url: 'http://x'}\n",
      "cluster.yaml:2: redis.url: must start with redis://, rediss:// or unix:// (got 'http://x')"),
     ("data_dir with external redis", M + "redis: {url: 'redis://x:6379', data_dir: /d}\n",
