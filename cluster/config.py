@@ -316,6 +316,9 @@ class PlannerSettings(_Settings):
                                           "fraction of target; must be below scale_up_utilization.")
     max_step: int = Field(2, ge=1, description="Most replicas added to a pool by one decision "
                           "(scale-down always removes one).")
+    scale_down_stable_s: float = Field(30.0, ge=0, description="Seconds utilisation must stay below "
+                                       "scale_down_utilization, on every decision, before a pool "
+                                       "scales down (a lull between waves of requests is not enough).")
 
     @model_validator(mode="after")
     def _band(self) -> PlannerSettings:
@@ -359,7 +362,7 @@ class ClusterConfig(_Settings):
             ttft_slo_ms=self.slo.ttft_ms, itl_slo_ms=self.slo.itl_ms,
             scale_up_utilization=p.scale_up_utilization, scale_down_utilization=p.scale_down_utilization,
             scale_up_cooldown_s=p.scale_up_cooldown_s, scale_down_cooldown_s=p.scale_down_cooldown_s,
-            warmup_s=p.warmup_s, max_step=p.max_step)
+            warmup_s=p.warmup_s, max_step=p.max_step, scale_down_stable_s=p.scale_down_stable_s)
 
     def check_paths(self) -> None:
         """Raise ``ConfigError`` unless the files this config names exist on this machine."""

@@ -18,8 +18,9 @@ How one pool is decided, in order:
 3. Scale up when utilisation > ``scale_up_utilization``, to the replica count that brings it
    back to that threshold (at least +1, at most +``max_step``, at most ``max_replicas``),
    once ``scale_up_cooldown_s`` has passed since the last scale-up.
-4. Scale down by exactly one when utilisation < ``scale_down_utilization``, no drain is in
-   progress, no replica is pending, ``scale_down_cooldown_s`` has passed since the last
+4. Scale down by exactly one when utilisation has stayed < ``scale_down_utilization`` on every
+   decision for ``scale_down_stable_s`` (one quiet sample, such as the moment between two waves
+   of requests, is not enough), no drain is in progress, no replica is pending, ``scale_down_cooldown_s`` has passed since the last
    scaling action of either kind, and the utilisation projected on one replica fewer stays
    at or below ``scale_up_utilization`` (otherwise the next tick would scale up again).
    The replica to drain is the least loaded warm worker.
@@ -128,6 +129,7 @@ class PlannerPolicy:
     scale_down_cooldown_s: float = 120.0
     warmup_s: float = 30.0
     max_step: int = 2
+    scale_down_stable_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
@@ -137,8 +139,9 @@ class PlannerPolicy:
                 f"need 0 <= scale_down_utilization ({self.scale_down_utilization}) "
                 f"< scale_up_utilization ({self.scale_up_utilization})"
             )
-        if min(self.scale_up_cooldown_s, self.scale_down_cooldown_s, self.warmup_s) < 0:
-            raise ValueError("cooldowns and warmup_s must be >= 0")
+        if min(self.scale_up_cooldown_s, self.scale_down_cooldown_s, self.warmup_s,
+               self.scale_down_stable_s) < 0:
+            raise ValueError("cooldowns, warmup_s and scale_down_stable_s must be >= 0")
         if self.max_step < 1:
             raise ValueError(f"max_step must be >= 1, got {self.max_step}")
 
@@ -302,7 +305,8 @@ def decide_pool(
 
 @dataclass
 class Planner:
-    """Holds the policy and the time of each pool's last scale-up and scale-down.
+    """Holds the policy, the time of each pool's last scale-up and scale-down, and since when
+    each pool's utilisation has been below ``scale_down_utilization``.
 
     ``decide`` is called every ``interval_s`` by the actuator in ``cluster/``; a scale-up or
     scale-down decision starts that pool's cooldown whether or not the actuator succeeds, so
@@ -312,6 +316,7 @@ class Planner:
     policy: PlannerPolicy
     last_scale_up_at: dict[Role, float] = field(default_factory=dict)
     last_scale_down_at: dict[Role, float] = field(default_factory=dict)
+    low_since: dict[Role, float] = field(default_factory=dict)
 
     def decide(
         self, now: float, pools: Sequence[PoolState], metrics: Sequence[WorkerMetrics]
@@ -320,9 +325,27 @@ class Planner:
         for pool in pools:
             d = decide_pool(now, pool, metrics, self.policy,
                             self.last_scale_up_at.get(pool.role), self.last_scale_down_at.get(pool.role))
+            d = self._steady(now, d)
             if d.action is ScaleAction.SCALE_UP:
                 self.last_scale_up_at[pool.role] = now
             elif d.action is ScaleAction.SCALE_DOWN:
                 self.last_scale_down_at[pool.role] = now
+                self.low_since.pop(pool.role, None)  # the next scale-down needs a new quiet spell
             decisions.append(d)
         return decisions
+
+    def _steady(self, now: float, d: PlannerDecision) -> PlannerDecision:
+        """Hold a load-driven scale-down until utilisation has been low for
+        ``scale_down_stable_s`` (a repair above ``max_replicas`` is not held)."""
+        if d.utilization is None or d.utilization >= self.policy.scale_down_utilization:
+            self.low_since.pop(d.role, None)
+            return d
+        since = self.low_since.setdefault(d.role, now)
+        if d.action is not ScaleAction.SCALE_DOWN:
+            return d
+        quiet = now - since
+        if quiet >= self.policy.scale_down_stable_s:
+            return d
+        return PlannerDecision(d.role, ScaleAction.HOLD, d.current_replicas, d.current_replicas,
+                               f"{d.reason}; low for {quiet:.0f} s of the {self.policy.scale_down_stable_s:.0f} s "
+                               f"scale_down_stable_s", d.utilization)

@@ -53,6 +53,7 @@ class PoolManager:
         self._join_lock = asyncio.Lock()
         self._prev_stats: dict[str, tuple[float, dict]] = {}
         self._asked_autoscaler = False
+        self._actions: set[asyncio.Task] = set()  # scale-ups and drains the planner started
 
     # --------------------------------------------------------------- replicas
     def _new_id(self, role: str) -> str:
@@ -159,6 +160,9 @@ class PoolManager:
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
+                if worker_id not in record.draining:  # load came back: ``undrain`` kept it
+                    logger.info("drain of %s cancelled: it serves again", worker_id)
+                    return False
                 stats = await asyncio.wait_for(handle.actor.stats.remote(), 10.0)
                 busy = (stats.get("num_running", 0) + stats.get("num_waiting", 0)
                         + stats.get("in_flight", 0) + stats.get("reservations", 0))
@@ -170,6 +174,17 @@ class PoolManager:
             logger.warning("draining %s: %s", worker_id, exc)
         await self._stop(worker_id)
         return True
+
+    def undrain(self, role: str, count: int) -> list[str]:
+        """Put up to ``count`` draining workers of ``role`` back into service (the cheapest
+        capacity there is: loaded, warm, connected); returns their ids."""
+        record = self.pools[role]
+        kept = sorted(record.draining)[:max(0, count)]
+        for worker_id in kept:
+            record.draining.discard(worker_id)
+            self.pool.set_draining(worker_id, False)
+            logger.info("%s worker %s kept: load is back, its drain is cancelled", role, worker_id)
+        return kept
 
     async def _stop(self, worker_id: str) -> None:
         role = self._role_of(worker_id)
@@ -243,31 +258,44 @@ class PoolManager:
         return states
 
     async def plan_once(self) -> list[PlannerDecision]:
-        """One planner decision per pool, acted upon (scale-ups wait for readiness)."""
+        """One planner decision per pool, acted upon in the background: a scale-up that waits
+        minutes for a worker, or a drain that waits for long streams, never stops the next
+        decisions (which see the pending and draining replicas)."""
         async with self._lock:
             now = time.time()
             decisions = self.planner.decide(now, self.pool_states(), self.metrics(now))
             self.decisions = decisions
-            actions = []
             for d in decisions:
                 role = str(d.role)
                 if d.action is ScaleAction.SCALE_UP:
                     self.pools[role].last_scale_up_at = now
-                    n = d.target_replicas - d.current_replicas
-                    logger.info("planner: %s +%d (%s)", role, n, d.reason)
-                    actions.extend(self.add_replica(role) for _ in range(max(0, n)))
+                    n = max(0, d.target_replicas - d.current_replicas)
+                    kept = self.undrain(role, n)
+                    logger.info("planner: %s +%d (%s)%s", role, n, d.reason,
+                                f"; {len(kept)} of them by cancelling drains" if kept else "")
+                    for _ in range(n - len(kept)):
+                        self._act(self.add_replica(role), f"adding a {role} replica")
                 elif d.action is ScaleAction.SCALE_DOWN and d.drain_worker_id:
                     self.pools[role].last_scale_down_at = now
                     logger.info("planner: %s drain %s (%s)", role, d.drain_worker_id, d.reason)
-                    actions.append(self.drain_and_remove(d.drain_worker_id))
-            if actions:
-                results = await asyncio.gather(*actions, return_exceptions=True)
-                for r in results:
-                    if isinstance(r, BaseException):
-                        logger.error("planner action failed: %s", r)
+                    self._act(self.drain_and_remove(d.drain_worker_id), f"draining {d.drain_worker_id}")
             return decisions
 
+    def _act(self, coro, what: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._actions.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._actions.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("planner action failed (%s): %s", what, t.exception())
+
+        task.add_done_callback(done)
+
     async def shutdown(self) -> None:
+        for task in list(self._actions):
+            task.cancel()
+        await asyncio.gather(*self._actions, return_exceptions=True)
         for record in self.pools.values():
             for wid in list(record.handles):
                 await self._stop(wid)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 import uuid
@@ -184,7 +186,10 @@ class ClusterHarness:
         return found[0]
 
     def kill(self, member: PoolMember) -> None:
-        ray.kill(member.actor, no_restart=True)
+        """Crash the worker's process now (SIGKILL). ``ray.kill`` is asynchronous: on a busy
+        host it took seconds to act, time in which a short request could finish untouched."""
+        pid = member.view.stats.get("pid") or ray.get(member.actor.stats.remote(), timeout=CALL_TIMEOUT_S)["pid"]
+        os.kill(int(pid), signal.SIGKILL)
 
     # --------------------------------------------------------------- leaks
     def blocks_in_use(self) -> dict[str, int]:

@@ -35,6 +35,7 @@ START_S = 180.0  # a new worker process loads the model: generous on 2 shared co
 PLANNER = {
     "planner.enabled": True, "planner.interval_s": 1.0, "planner.warmup_s": 0.0,
     "planner.scale_up_cooldown_s": 1.0, "planner.scale_down_cooldown_s": 2.0,
+    "planner.scale_down_stable_s": 3.0,
     "decode.min_replicas": 1, "decode.initial_replicas": 1, "decode.max_replicas": 2,
     "decode.engine.max_num_seqs": 4,
     "prefill.min_replicas": 1, "prefill.initial_replicas": 1, "prefill.max_replicas": 1,

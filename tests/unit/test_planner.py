@@ -244,3 +244,32 @@ def test_registry_and_string_roles_are_accepted() -> None:
 def test_invalid_inputs_raise_value_error(bad) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         bad()
+
+
+def test_scale_down_needs_utilisation_low_on_every_decision_for_the_stable_window() -> None:
+    policy = dataclasses.replace(POLICY, scale_down_cooldown_s=0.0, scale_down_stable_s=30.0)
+    planner = Planner(policy)
+    pool = make_pool(Role.DECODE, 3)
+    idle = [make_worker(f"d{i}") for i in range(3)]
+    busy = [make_worker(f"d{i}", running_seqs=6) for i in range(3)]  # 60% of max_num_seqs: in band
+
+    def action(t: float, workers: list[WorkerMetrics]) -> ScaleAction:
+        return planner.decide(t, [pool], workers)[0].action
+
+    first = planner.decide(NOW, [pool], idle)[0]
+    assert first.action is ScaleAction.HOLD and "low for 0 s of the 30 s" in first.reason
+    assert action(NOW + 20, idle) is ScaleAction.HOLD
+    assert action(NOW + 25, busy) is ScaleAction.HOLD        # load came back: the quiet spell restarts
+    assert action(NOW + 40, idle) is ScaleAction.HOLD
+    assert action(NOW + 69, idle) is ScaleAction.HOLD        # low for 29 s
+    assert action(NOW + 70, idle) is ScaleAction.SCALE_DOWN  # low for 30 s
+    pool = make_pool(Role.DECODE, 2)
+    assert action(NOW + 71, idle[:2]) is ScaleAction.HOLD    # the next drain needs a new quiet spell
+    assert action(NOW + 101, idle[:2]) is ScaleAction.SCALE_DOWN
+
+
+def test_above_max_replicas_is_repaired_without_waiting_for_a_quiet_spell() -> None:
+    planner = Planner(dataclasses.replace(POLICY, scale_down_stable_s=3600.0))
+    pool = make_pool(Role.DECODE, 3, hi=2)
+    busy = [make_worker(f"d{i}", running_seqs=6) for i in range(3)]
+    assert planner.decide(NOW, [pool], busy)[0].action is ScaleAction.SCALE_DOWN

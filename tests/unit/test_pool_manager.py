@@ -1,0 +1,40 @@
+"""The pool manager's bookkeeping when load returns during a drain (no Ray: no worker starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.cluster.config import apply_overrides, config_from_model
+from pdserve.cluster.pool_manager import PoolManager
+from pdserve.router.worker_pool import WorkerPool
+
+
+def manager(tmp_path: Path) -> PoolManager:
+    config = apply_overrides(config_from_model(tmp_path, check_paths=False),
+                             {"decode.min_replicas": 1, "decode.max_replicas": 4})
+    m = PoolManager(config, WorkerPool())
+    for wid in ("decode-a", "decode-b", "decode-c"):
+        m.pools["decode"].handles[wid] = object()  # type: ignore[assignment]
+        m.pool.add(wid, "decode", actor=None)
+    return m
+
+
+def replicas(m: PoolManager, role: str) -> int:
+    return next(p.replicas for p in m.pool_states() if p.role == role)
+
+
+def test_a_scale_up_during_drains_keeps_the_draining_workers_first(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    for wid in ("decode-b", "decode-c"):
+        m.pools["decode"].draining.add(wid)
+        m.pool.set_draining(wid)
+    assert replicas(m, "decode") == 1
+
+    assert m.undrain("decode", 1) == ["decode-b"]
+    assert m.pools["decode"].draining == {"decode-c"}
+    assert m.pool.members["decode-b"].view.routable and not m.pool.members["decode-c"].view.routable
+    assert replicas(m, "decode") == 2
+
+    assert m.undrain("decode", 5) == ["decode-c"]  # asked for more than drain: the rest are new replicas
+    assert m.undrain("decode", 1) == [] and replicas(m, "decode") == 3
+    assert all(member.view.routable for member in m.pool.members.values())
