@@ -227,12 +227,12 @@ class DisaggBackend:
             res = await self._prefill_unless_decode_lost(
                 d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
         except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
+            await self._blame_decode_if_gone(d, str(exc))
             raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
         finally:
             p_view.inflight_tokens -= len(prompt)
         if res.finish_reason in ("error", "abort"):
-            if not self._alive(d):  # its reservation went with it: not the prefill worker's fault
-                raise WorkerLost(d, f"decode worker lost during prefill ({res.error})")
+            await self._blame_decode_if_gone(d, res.error or res.finish_reason)
             raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}")
         acc.update(queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes,
                    kv_transfer_s=res.kv_transfer_s, kv_exposed_s=res.kv_exposed_s,
@@ -278,6 +278,18 @@ class DisaggBackend:
                 prefill_task.cancel()
             elif not prefill_task.cancelled():
                 prefill_task.exception()  # retrieved even when the decode side's loss decides
+
+    async def _blame_decode_if_gone(self, d: str, error: str) -> None:
+        """A failed prefill is the decode worker's fault when it died (its reservation went with
+        it; the KV write then fails with a disconnect, often before Ray reports the death): ask
+        it, so that the prefill worker is not excluded for it. Raises ``WorkerLost(d)``."""
+        if self._alive(d):
+            try:
+                await self._call(d, lambda a: a.ping.remote(), timeout_s=5.0)
+                return
+            except (WorkerLost, _AttemptFailed):
+                pass
+        raise WorkerLost(d, f"decode worker lost during prefill ({error})")
 
     def _alive(self, worker_id: str) -> bool:
         member = self.pool.members.get(worker_id)

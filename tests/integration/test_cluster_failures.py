@@ -1,5 +1,6 @@
 """Failures the disaggregated cluster absorbs, end to end: worker processes crashed (``SIGKILL``)
-or frozen (``SIGSTOP``) while they hold a request, seen through the unmodified ``openai`` client and gRPC on 127.0.0.1.
+or frozen (``SIGSTOP``) while they hold a request, seen through the unmodified ``openai``
+client and gRPC on 127.0.0.1.
 
 One ``RouterService`` starts with two prefill and three decode workers (minimum one each, so
 the pool manager replaces a worker only when a pool is empty); a test that needs more live
