@@ -75,7 +75,8 @@ class PoolManager:
             handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
                                   num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                                   resources=settings.resources, namespace=self.namespace,
-                                  detached=self.detached)
+                                  detached=self.detached,
+                                  transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s)
             handle.metadata = await self._wait_placed(role, handle)
             if self._asked_autoscaler and not any(r.pending > 1 for r in self.pools.values()):
                 self._clear_resource_request()

@@ -51,7 +51,7 @@ class KVWorker:
                 "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
                 "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
                 "started_at": self.started_at, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "transfer_timeout_s": getattr(self, "transfer_timeout_s", None)}
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Raw bytes of KV blocks (diagnostics and tests compare what was sent and what landed)."""

@@ -45,7 +45,9 @@ STREAM_PROMPTS = [f"Stream {i} of the load test says" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    config = cluster_config(tiny_model, **{"decode.min_replicas": 2})
+    # A transfer timeout other than the workers' own default, to see that it reaches them.
+    config = cluster_config(tiny_model, **{"decode.min_replicas": 2,
+                                           "router.disaggregation.kv_transfer_timeout_s": 45.0})
     h = ClusterHarness(config, redis_server.url)
     h.begin_start()  # the workers load while the references are computed
     try:
@@ -74,6 +76,9 @@ def test_workers_run_at_normal_cpu_priority(cluster: ClusterHarness) -> None:
     stats = ray.get([m.actor.stats.remote() for m in cluster.members("prefill") + cluster.members("decode")],
                     timeout=30)
     assert [st["niceness"] for st in stats] == [0] * 3
+    # Both pools got the configured KV transfer timeout.
+    wanted = cluster.config.router.disaggregation.kv_transfer_timeout_s
+    assert [st["transfer_timeout_s"] for st in stats] == [wanted] * 3
 
 
 def check_phase(phase: dict, prompt_tokens: int, output_tokens: int) -> None:

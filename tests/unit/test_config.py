@@ -141,6 +141,8 @@ ERROR_CASES = [
      "cluster.yaml:2: router.tls_key_file: tls_cert_file and tls_key_file must be set together"),
     ("same ports", M + "router: {http_port: 9000, grpc_port: 9000}\n",
      "cluster.yaml:2: router.grpc_port: must differ from http_port (9000)"),
+    ("transfer timeout", M + "router: {disaggregation: {kv_transfer_timeout_s: 0}}\n",
+     "cluster.yaml:2: router.disaggregation.kv_transfer_timeout_s: Input should be greater than 0 (got 0)"),
     ("liveness thresholds", M + "router: {worker_stats_timeout_s: 10, worker_dead_after_s: 10}\n",
      "cluster.yaml:2: router.worker_dead_after_s: must be longer than worker_stats_timeout_s (10.0)"),
     ("redis scheme", M + "redis: {url: 'http://x'}\n",
