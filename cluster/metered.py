@@ -43,7 +43,28 @@ class _Publisher:
         self.metrics.close()
 
 
-class MeteredPrefillWorker(PrefillWorker):
+def _placement() -> dict[str, str]:
+    """The Ray node this worker runs on (operators see it in ``pdserve status``)."""
+    import ray
+
+    try:
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
+    except Exception as exc:  # outside a Ray worker: nothing to report
+        logger.debug("no Ray placement: %s", exc)
+        return {"node_id": "", "node_ip": ""}
+
+
+class _Placed:
+    """Adds the worker's node to its stats."""
+
+    def _base_stats(self) -> dict[str, object]:
+        if not hasattr(self, "_node"):
+            self._node = _placement()
+        return {**super()._base_stats(), **self._node}
+
+
+class MeteredPrefillWorker(_Placed, PrefillWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._publisher = _Publisher(self, "prefill")
@@ -63,7 +84,7 @@ class MeteredPrefillWorker(PrefillWorker):
         super().shutdown()
 
 
-class MeteredDecodeWorker(DecodeWorker):
+class MeteredDecodeWorker(_Placed, DecodeWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._publisher = _Publisher(self, "decode")

@@ -222,7 +222,8 @@ class RouterService:
         for wid, m in self.pool.members.items():
             v = m.view
             workers.append({"worker_id": wid, "role": m.role, "alive": v.alive, "draining": v.draining,
-                            "responsive": v.unresponsive_since is None,
+                            "responsive": v.unresponsive_since is None, "node_ip": v.stats.get("node_ip", ""),
+                            "node_id": v.stats.get("node_id", ""),
                             "kv_usage": 1.0 - v.num_free_blocks / max(1, v.num_blocks),
                             "running": v.num_running, "waiting": v.num_waiting,
                             "prefix_hit_rate": v.stats.get("prefix_hit_rate", 0.0),

@@ -58,6 +58,7 @@ def test_every_node_is_on_loopback(result: dict) -> None:
 def test_each_pool_runs_on_the_node_with_its_resource(result: dict) -> None:
     nodes = result["nodes"]
     assert result["placement"] == {"prefill": [nodes["prefill"]], "decode": [nodes["decode"]]}
+    assert result["reported_nodes"] == result["placement"]  # and each worker reports its node
 
 
 def test_requests_cross_the_nodes_token_identical_to_the_engine(result: dict) -> None:
