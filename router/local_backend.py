@@ -1,24 +1,24 @@
-"""The colocated backend: one in-process ``LLMEngine`` driven by one background thread.
+"""The colocated backend: one in-process ``LLMEngine`` driven by an ``EngineLoop`` thread.
 
-Only that thread touches the engine. Callers on an asyncio loop send it commands (add, abort)
-through a locked list and a wake-up event; it runs ``engine.step()`` while work is pending and
-hands each step's outputs back to the callers' loops with one ``call_soon_threadsafe`` per loop
-per step, into per-request ``asyncio.Queue`` s. A request is registered from its add until its
-final output, so aborting, closing a stream early or a passed deadline always reaches the engine
-and frees its blocks.
+Only that thread touches the engine. Callers on an asyncio loop submit commands (add, abort) to
+it; after each step it hands the step's outputs back to the callers' loops with one
+``call_soon_threadsafe`` per loop per step, into per-request ``asyncio.Queue`` s. A request is
+registered from its add until its final output, so aborting, closing a stream early or a passed
+deadline always reaches the engine and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine, StepOutput
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5
 
 
 @dataclass(slots=True, eq=False)  # identity hash: used as a dict key
@@ -50,13 +48,10 @@ class LocalEngineBackend:
             eos_token_ids=tuple(engine.spec.eos_token_ids),
             tokenizer_dir=model_dir,
         )
-        self._lock = threading.Lock()
-        self._commands: list[tuple] = []
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, _Stream] = {}  # engine thread only (and close(), once it stopped)
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop(engine, self._dispatch, self._expire_deadlines, name="pdserve-engine")
+        self._loop.start()
 
     # ------------------------------------------------------------ Backend API
     def model_info(self) -> ModelInfo:
@@ -64,7 +59,9 @@ class LocalEngineBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         queue: asyncio.Queue = asyncio.Queue()
-        self._submit(("add", req, _Stream(asyncio.get_running_loop(), queue, req.deadline)))
+        stream = _Stream(asyncio.get_running_loop(), queue, req.deadline)
+        added = self._loop.submit(lambda _e: self._add(req, stream))
+        added.add_done_callback(lambda fut: self._unless_added(fut, stream))
         done = False
         try:
             while True:
@@ -75,10 +72,10 @@ class LocalEngineBackend:
                     return
         finally:
             if not done:
-                self._submit(("abort", req.request_id))
+                self._loop.submit(lambda _e: self._abort(req.request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._loop.submit(lambda _e: self._abort(request_id))
 
     @property
     def num_active(self) -> int:
@@ -86,52 +83,26 @@ class LocalEngineBackend:
         return len(self._streams)
 
     async def health(self) -> bool:
-        return self._thread.is_alive() and not self._closing
+        return self._loop.alive and not self._closing
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still running end as "abort" with an error."""
+        """Stop the engine thread; requests still running end with an error."""
         self._closing = True
-        self._wake.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        self._loop.stop(timeout)
+        if self._loop.alive:
             logger.error("engine thread did not stop within %.1f s", timeout)
+            return
+        self._fail_all(WorkerUnavailableError("the engine is shutting down"))
 
     # --------------------------------------------------------- engine thread
-    def _submit(self, command: tuple) -> None:
-        with self._lock:
-            self._commands.append(command)
-        self._wake.set()
+    def _unless_added(self, fut: Future, stream: _Stream) -> None:
+        """The add never ran (the loop stopped first): the caller still hears the end."""
+        if fut.cancelled() or fut.exception() is not None:
+            self._deliver({stream: [Finished("error", error=WorkerUnavailableError("the engine is shutting down"))]})
 
-    def _run(self) -> None:
-        try:
-            while not self._closing:
-                self._apply_commands()
-                self._expire_deadlines()
-                if not self._engine.has_unfinished():
-                    self._wake.wait(_IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                try:
-                    outputs = self._engine.step()
-                except Exception as exc:  # the engine is in an unknown state: fail what it holds
-                    logger.exception("engine step failed; failing %d requests", len(self._streams))
-                    self._fail_all(PdserveError(f"engine step failed: {exc}"))
-                    continue
-                self._dispatch(outputs)
-        finally:
-            self._apply_commands()
-            self._fail_all(WorkerUnavailableError("the engine is shutting down"))
-
-    def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for command in commands:
-            if command[0] == "add":
-                _, req, stream = command
-                self._add(req, stream)
-            elif command[0] == "abort":
-                if command[1] in self._streams:
-                    self._engine.abort(command[1])  # its final output comes with the next step
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._engine.abort(request_id)  # its final output comes with the next step
 
     def _add(self, req: GenerateRequest, stream: _Stream) -> None:
         if self._closing:
@@ -144,12 +115,14 @@ class LocalEngineBackend:
             return
         self._streams[req.request_id] = stream
 
-    def _expire_deadlines(self) -> None:
+    def _expire_deadlines(self) -> bool:
+        """Runs once per loop iteration; nothing to poll, so it never asks for a fast tick."""
         now = time.monotonic()
         for rid, stream in self._streams.items():
             if stream.deadline is not None and stream.deadline <= now and stream.error is None:
                 stream.error = DeadlineExceededError("the request's deadline passed before it finished")
                 self._engine.abort(rid)
+        return False
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         batches: dict[_Stream, list] = {}

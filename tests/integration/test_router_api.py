@@ -445,3 +445,26 @@ def test_tls_on_both_apis(stack: Stack, tmp_path) -> None:
         stack.call(http_server.stop())
         stack.call(grpc_server.stop())
     stack.wait_idle()
+
+
+def test_closing_the_backend_ends_every_stream_with_an_error_and_frees_its_blocks(tiny_model) -> None:
+    from pdserve.router.backend import Finished, GenerateRequest
+
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=64, max_model_len=MAX_LEN))
+    backend = LocalEngineBackend(engine, model_name="tiny")
+    long = SamplingParams(max_tokens=MAX_LEN - 8, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list, list]:
+        stream = backend.generate(GenerateRequest("closing", [1, 2, 3, 4], long))
+        first = await anext(stream)  # the request is running
+        await asyncio.to_thread(backend.close)
+        rest = [item async for item in stream]
+        after = [item async for item in backend.generate(GenerateRequest("late", [1, 2], long))]
+        return [first, *rest], after
+
+    during, after = asyncio.run(run())
+    end = during[-1]
+    assert isinstance(end, Finished) and end.finish_reason == "error" and "shutting down" in str(end.error)
+    assert len(during) < long.max_tokens  # cut short, not run to the end
+    assert len(after) == 1 and after[0].finish_reason == "error" and "shutting down" in str(after[0].error)
+    assert backend.num_active == 0 and engine.block_manager.all_free()
