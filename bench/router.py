@@ -245,7 +245,7 @@ async def _bench_model(model: str, st: Settings) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from pdserve.cluster.config import apply_overrides, config_from_model
+    from pdserve.cluster.config_io import apply_overrides, config_from_model
     from pdserve.cluster.redis_server import EmbeddedRedis
     from pdserve.cluster.router_service import RouterService
     from pdserve.engine.testmodel import ensure_model

@@ -10,7 +10,7 @@ from pdserve.cluster.config import ClusterConfig
 
 
 def load_cli_config(config_path: str | None, model: str | None, overrides: list[str]) -> ClusterConfig:
-    from pdserve.cluster.config import apply_env, apply_overrides, config_from_model, load_config
+    from pdserve.cluster.config_io import apply_env, apply_overrides, config_from_model, load_config
     from pdserve.engine.errors import InvalidRequestError
 
     if bool(config_path) == bool(model):
@@ -72,7 +72,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import config_to_yaml, json_schema
+    from pdserve.cluster.config_io import config_to_yaml, json_schema
 
     if args.action == "schema":
         print(json.dumps(json_schema(), indent=2))

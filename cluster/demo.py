@@ -51,7 +51,7 @@ async def _stream_one(base_url: str, model: str, prompt: str, max_tokens: int) -
 
 
 async def _demo(model_dir: str, max_tokens: int) -> None:
-    from pdserve.cluster.config import apply_overrides, config_from_model
+    from pdserve.cluster.config_io import apply_overrides, config_from_model
     from pdserve.cluster.launcher import serve
     from pdserve.generate_cmd import format_phase_record
 

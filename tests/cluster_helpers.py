@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from pdserve.cluster.config import ClusterConfig, apply_overrides, config_from_model
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config_io import apply_overrides, config_from_model
 from pdserve.cluster.ledger import KVLedger
 from pdserve.cluster.router_service import RouterService
 from pdserve.engine.config import EngineConfig

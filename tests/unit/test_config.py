@@ -10,8 +10,9 @@ import pydantic
 import pytest
 import yaml
 
-from pdserve.cluster.config import (ClusterConfig, ConfigError, apply_env, apply_overrides,
-                                    config_from_model, config_to_yaml, json_schema, load_config)
+from pdserve.cluster.config import ClusterConfig, ConfigError
+from pdserve.cluster.config_io import (apply_env, apply_overrides, config_from_model, config_to_yaml, json_schema,
+                                       load_config)
 from pdserve.cluster.planner import PlannerPolicy
 from pdserve.engine.config import EngineConfig, EngineMode
 from pdserve.engine.errors import InvalidRequestError

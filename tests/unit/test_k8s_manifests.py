@@ -418,11 +418,12 @@ def test_router_ports_match_the_services(rendered, overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_cluster_config_loads_with_pdserve(rendered, overlay, tmp_path):
-    config_module = pytest.importorskip("pdserve.cluster.config", reason="pdserve.cluster.config not importable")
+    from pdserve.cluster.config_io import load_config
+
     path = tmp_path / "cluster.yaml"
     path.write_text(one(rendered[overlay], "ConfigMap", "pdserve-config")["data"]["cluster.yaml"])
-    config = config_module.load_config(path, check_paths=False,
-                                       environ={"PDSERVE_API_KEYS": "k1,k2", "PDSERVE_REDIS_PASSWORD": "pw"})
+    config = load_config(path, check_paths=False,
+                         environ={"PDSERVE_API_KEYS": "k1,k2", "PDSERVE_REDIS_PASSWORD": "pw"})
     assert config.router.http_port == 8000 and len(config.router.api_keys) == 2
     assert config.redis.password.get_secret_value() == "pw"
 

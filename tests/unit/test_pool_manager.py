@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.cluster.config import apply_overrides, config_from_model
+from pdserve.cluster.config_io import apply_overrides, config_from_model
 from pdserve.cluster.pool_manager import PoolManager
 from pdserve.router.worker_pool import WorkerPool
 
