@@ -69,6 +69,14 @@ class DisaggBackend:
     async def health(self) -> bool:
         return any(v.routable for v in self.pool.views("decode"))
 
+    def placement(self, request_id: str) -> tuple[str, str | None] | None:
+        """The (decode, prefill) workers of the request's current attempt; None when it has none
+        (not started, between attempts, or ended). ``prefill`` is None for a local prefill."""
+        for attempt, workers in list(self._active.items()):
+            if attempt.split("#", 1)[0] == request_id:
+                return workers
+        return None
+
     async def abort(self, request_id: str) -> None:
         for attempt, (d, p) in list(self._active.items()):
             if attempt.split("#", 1)[0] == request_id:

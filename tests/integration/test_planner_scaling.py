@@ -23,9 +23,11 @@ from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_en
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 GEN = 64
-# Burst requests run ~4x longer, so that the worker killed mid-burst holds streams with many
-# tokens still to come (a short stream may end between choosing the victim and killing it).
+# Burst requests run ~4x longer than the light-load ones.
 BURST_GEN = 256
+# The stream whose decode worker the test kills: long enough to be mid-stream at the kill.
+MIGRATED_PROMPT = "The stream that outlives its decode worker keeps telling the story of"
+MIGRATED_GEN = 768
 PROMPTS = [f"Request {i} of the burst asks the decode pool for a long answer about" for i in range(4)]
 # Long enough that its chunked prefill (64 tokens a step) lasts while the test kills the worker.
 LONG_PROMPT = "Twelve cooks read the whole ticket at once, then each one starts a different dish. " * 60
@@ -53,8 +55,11 @@ class Outcome:
 class Load:
     """``n`` client threads, each streaming greedy completions back to back until stopped."""
 
-    def __init__(self, h: ClusterHarness, n: int, prompts: list[str], max_tokens: int) -> None:
-        self.h, self.prompts, self.max_tokens = h, prompts, max_tokens
+    def __init__(self, h: ClusterHarness, n: int, prompts: list[str], max_tokens: int, *,
+                 repeat: bool = True) -> None:
+        """``repeat=False``: each thread sends one request only."""
+        self.h, self.prompts, self.max_tokens, self.repeat = h, prompts, max_tokens, repeat
+        self.current_rid = ""  # the id of the latest request whose first chunk arrived
         self.outcomes: list[Outcome] = []
         self.started = 0
         self._stop = threading.Event()
@@ -95,6 +100,7 @@ class Load:
                 stream = client.completions.create(model=self.h.model_name, prompt=prompt, max_tokens=self.max_tokens,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
                 for chunk in stream:
+                    self.current_rid = chunk.id
                     ext = (chunk.model_extra or {}).get("pdserve") or {}
                     tokens.extend(ext.get("token_ids", []))
                     phase = ext.get("phase") or phase
@@ -102,6 +108,8 @@ class Load:
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self.outcomes.append(Outcome(prompt, tokens, phase, error))
+            if not self.repeat:
+                return
 
     def check(self, ref: dict[str, list[int]]) -> None:
         """Every request that started finished, with exactly the engine's tokens."""
@@ -122,6 +130,7 @@ def cluster(tiny_model, ray_session, redis_server):
     long_ids = list(tok(LONG_PROMPT)["input_ids"])
     assert len(long_ids) > 900
     ref[LONG_PROMPT] = engine.generate([long_ids], greedy(LONG_GEN))[0]
+    ref[MIGRATED_PROMPT] = engine.generate([list(tok(MIGRATED_PROMPT)["input_ids"])], greedy(MIGRATED_GEN))[0]
     del engine
     h = ClusterHarness(config, redis_server.url)
     try:
@@ -136,18 +145,18 @@ def handles(h: ClusterHarness, role: str) -> set[str]:
     return set(h.service.manager.pools[role].handles)
 
 
-def streaming_most(h: ClusterHarness, at_least: int, timeout_s: float):
-    """The decode worker holding the most streams the router has open on it (each stream has
-    many tokens to go), once one holds ``at_least`` of them."""
+def holder_of(h: ClusterHarness, load: Load, timeout_s: float):
+    """The decode worker streaming ``load``'s single request, once its first tokens arrived."""
     found = []
 
-    def busy() -> bool:
-        members = [m for m in h.members("decode") if m.view.alive]
-        best = max(members, key=lambda m: m.view.inflight_requests, default=None)
-        found[:] = [best] if best is not None and best.view.inflight_requests >= at_least else []
+    def streaming() -> bool:
+        rid = load.current_rid
+        workers = h.service.backend.placement(rid) if rid else None
+        member = h.service.pool.members.get(workers[0]) if workers else None
+        found[:] = [member] if member is not None and member.view.alive else []
         return bool(found)
 
-    wait_until(busy, timeout_s, f"a decode worker streaming {at_least} requests", 0.01)
+    wait_until(streaming, timeout_s, "the long stream's decode worker", 0.01)
     return found[0]
 
 
@@ -162,16 +171,23 @@ def test_decode_pool_scales_up_under_load_survives_a_kill_and_drains_when_quiet(
         assert svc.manager.pools["decode"].last_scale_up_at is not None
         wait_until(lambda: burst.served_by(second) > 0, 60.0, "the new replica serving requests")
 
-        # Kill the replica streaming the most requests: they move to the other one.
+        # Kill the replica streaming a long request (and whatever else it holds): its streams
+        # move to the other one. (Choosing by load alone raced with streams ending: a worker
+        # whose streams had all finished, their last tokens still queued in the router, died
+        # with nothing left to migrate.)
         before = svc.backend.migrations + svc.backend.retries
-        victim = streaming_most(h, at_least=2, timeout_s=30.0)
-        h.kill(victim)
+        with Load(h, 1, [MIGRATED_PROMPT], MIGRATED_GEN, repeat=False) as migrated:
+            victim = holder_of(h, migrated, timeout_s=60.0)
+            h.kill(victim)
+            migrated.stop()
+        migrated.check(h.ref)
+        (outcome,) = migrated.outcomes
+        assert outcome.phase["migrations"] >= 1 and outcome.phase["decode_worker"] != victim.worker_id, outcome.phase
         wait_until(lambda: victim.worker_id not in handles(h, "decode"), 30.0, "the dead worker forgotten")
         # Still overloaded on one replica: the planner brings the pool back to two.
         wait_until(lambda: len(handles(h, "decode")) == 2, START_S, "the pool back at two replicas")
         assert victim.worker_id not in handles(h, "decode")
-        wait_until(lambda: svc.backend.migrations + svc.backend.retries > before, 60.0,
-                   f"requests of the killed {victim.worker_id} migrated or retried")
+        assert svc.backend.migrations + svc.backend.retries > before
     burst.check(h.ref)
     assert len(burst.outcomes) >= 8
 
