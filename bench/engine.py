@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench.common import run_and_save
 from pdserve.bench.report import ModelCost, format_table, model_cost
 
 logger = logging.getLogger(__name__)
@@ -350,14 +351,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        st = settings_from_args(args)
-    except ValueError as exc:
-        print(f"bench engine: error: {exc}", file=sys.stderr)
+    result = run_and_save("engine", args, settings_from_args, run_bench, format_table)
+    if result is None:
         return 2
-    result = run_bench(st)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
     print(f"\nwrote {args.json} in {result['wall_s']:.0f}s")
     return 0

@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pdserve.bench.common import run_and_save
+
 logger = logging.getLogger(__name__)
 
 _MODELS = ("tiny", "small")
@@ -366,15 +368,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        st = settings_from_args(args)
-    except ValueError as exc:
-        print(f"bench router: error: {exc}", file=sys.stderr)
+    result = run_and_save("router", args, settings_from_args, run_bench, format_table)
+    if result is None:
         return 2
-    result = run_bench(st)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
     leaked = {m: ids for m, ids in result["ledger_active_after"].items() if ids}
     if leaked:
         print(f"ledger entries still active after the run: {leaked}", file=sys.stderr)

@@ -56,17 +56,18 @@ def _placement() -> dict[str, str]:
 
 
 class _Placed:
-    """Adds the worker's node to its stats."""
+    """Adds the worker's node (read once, at start) to its stats."""
+
+    _node: dict[str, str]
 
     def _base_stats(self) -> dict[str, object]:
-        if not hasattr(self, "_node"):
-            self._node = _placement()
         return {**super()._base_stats(), **self._node}
 
 
 class MeteredPrefillWorker(_Placed, PrefillWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._node = _placement()
         self._publisher = _Publisher(self, "prefill")
 
     def _resolve(self, job) -> None:  # every request ends here, on the loop thread
@@ -87,6 +88,7 @@ class MeteredPrefillWorker(_Placed, PrefillWorker):
 class MeteredDecodeWorker(_Placed, DecodeWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._node = _placement()
         self._publisher = _Publisher(self, "decode")
 
     def _publish(self, outputs) -> None:  # every step's outputs pass through here

@@ -21,6 +21,7 @@ import grpc
 import openai
 import pytest
 import ray
+from grpc_checks import assert_health_and_reflection
 from cluster_helpers import (
     ClusterHarness,
     cluster_config,
@@ -28,7 +29,6 @@ from cluster_helpers import (
     reference_engine,
     wait_until,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -162,21 +162,8 @@ def test_request_ended_by_its_prefill_frees_its_ledger_entry_at_once(cluster: Cl
 
 # --------------------------------------------------------------------------- gRPC
 def test_grpc_matches_the_engine_with_health_and_reflection(cluster: ClusterHarness) -> None:
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-        ProtoReflectionDescriptorDatabase,
-    )
-
+    assert_health_and_reflection(cluster.grpc_target)
     with grpc.insecure_channel(cluster.grpc_target) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        for service in ("", "pdserve.v1.Generation"):
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        db = ProtoReflectionDescriptorDatabase(channel)
-        assert "pdserve.v1.Generation" in db.get_services()
-        assert set(DescriptorPool(db).FindServiceByName("pdserve.v1.Generation").methods_by_name) == {
-            "Generate", "ListModels"}
-
         stub = pb_grpc.GenerationStub(channel)
         sampling = pb.SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
         for prompt in (SHORT_PROMPT, LONG_PROMPT):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from grpc_checks import assert_health_and_reflection
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -311,18 +311,7 @@ def test_grpc_generate_streams_the_engines_tokens(stack: Stack) -> None:
 
 
 def test_grpc_health_and_reflection(stack: Stack) -> None:
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
-    with grpc.insecure_channel(stack.grpc_target) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        for service in ("", "pdserve.v1.Generation"):
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        db = ProtoReflectionDescriptorDatabase(channel)
-        assert "pdserve.v1.Generation" in db.get_services()
-        methods = DescriptorPool(db).FindServiceByName("pdserve.v1.Generation").methods_by_name
-        assert set(methods) == {"Generate", "ListModels"}
+    assert_health_and_reflection(stack.grpc_target)
 
 
 def test_grpc_cancel_and_deadline_free_the_engine_blocks(stack: Stack) -> None:
