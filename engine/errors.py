@@ -23,6 +23,32 @@ class InvalidRequestError(PdserveError, ValueError):
     error_type = "invalid_request_error"
 
 
+class SamplingError(InvalidRequestError):
+    """This request's sampling gave no valid distribution (logits or probabilities not finite, or
+    nothing left after filtering). It is the request's own fault: it fails alone, with a 400, and
+    another worker would fail the same way, so the router does not retry it."""
+
+    code = "sampling_failed"
+
+
+class EngineStepError(PdserveError):
+    """A step failed for the whole batch (e.g. the forward pass raised); every request in it
+    ended with this error. One that fails the same way on a second worker is not retried again."""
+
+    code = "engine_step_failed"
+
+
+# Codes of errors that belong to the request, not to the worker that ran it. Workers report a
+# request's failure as ``(error message, error_code)``; the router rebuilds the typed error here.
+_REQUEST_ERRORS: dict[str, type[InvalidRequestError]] = {SamplingError.code: SamplingError}
+
+
+def request_error(code: str | None, message: str) -> InvalidRequestError | None:
+    """The typed error a worker reported by ``code``, or None when the code names none."""
+    cls = _REQUEST_ERRORS.get(code or "")
+    return cls(message) if cls is not None else None
+
+
 class ModelNotFoundError(PdserveError):
     """A request named a model this deployment does not serve."""
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
-from pdserve.engine.errors import InvalidRequestError, OutOfBlocksError
+from pdserve.engine.errors import EngineStepError, InvalidRequestError, OutOfBlocksError, SamplingError
 from pdserve.engine.model_runner import ForwardItem, ModelRunner
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, PhaseRecord, Priority, Sequence, SequenceStatus
@@ -44,6 +44,9 @@ class StepOutput:
     finish_reason: str | None = None
     phase: PhaseRecord | None = None
     error: str | None = None
+    # Set when the error is the request's own (``engine.errors.request_error`` rebuilds it): it
+    # would fail the same way on any worker, so it is not retried elsewhere.
+    error_code: str | None = None
     # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
     num_computed_tokens: int = 0
 
@@ -174,7 +177,9 @@ class LLMEngine:
             self.stopper.discard(seq.request_id)
             seq.error = message
             seq.finished_time = time.monotonic()
-            outputs.append(self._final_output(seq, []))
+            out = self._final_output(seq, [])
+            out.error_code = EngineStepError.code
+            outputs.append(out)
         return outputs
 
     # ------------------------------------------------------------- decode side
@@ -251,13 +256,30 @@ class LLMEngine:
         ]
         logits = self.runner.execute(items)
         sampling = [c.seq for c in sched.chunks if c.sample]
-        tokens, logprobs = self.sampler.sample(logits, sampling) if sampling else ([], [])
+        result = self.sampler.sample(logits, sampling) if sampling else SampleResult([], [])
         now = time.monotonic()
         self._account_prefill(sched, now - t0)
-        self.scheduler.postprocess(sched, {s.request_id: t for s, t in zip(sampling, tokens)})
+        # A row that could not be sampled fails its own request (blocks freed); the rest go on.
+        for i, exc in result.failed.items():
+            outputs.append(self._fail_request(sampling[i], exc, now))
+        ok = [i for i in range(len(sampling)) if i not in result.failed]
+        sampled = [sampling[i] for i in ok]
+        tokens = [result.tokens[i] for i in ok]
+        self.scheduler.postprocess(sched, {s.request_id: t for s, t in zip(sampled, tokens)})
         self._steps += 1
-        outputs.extend(self._collect(sched, sampling, tokens, logprobs, now))
+        outputs.extend(self._collect(sched, sampled, tokens, [result.logprobs[i] for i in ok], now))
         return outputs
+
+    def _fail_request(self, seq: Sequence, exc: SamplingError, now: float) -> StepOutput:
+        """End one request whose sampling failed: its blocks are freed, its output says why."""
+        logger.warning("request %s failed alone: %s", seq.request_id, exc)
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self.stopper.discard(seq.request_id)
+        seq.error = str(exc)
+        seq.finished_time = now
+        out = self._final_output(seq, [])
+        out.error_code = exc.code
+        return out
 
     def _account_prefill(self, sched: SchedulerOutput, elapsed: float) -> None:
         total = sched.num_batched_tokens or 1

@@ -1,11 +1,19 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Each row is sampled on its own account: a row whose logits are not finite, or whose filtered
+distribution is not a finite non-empty distribution, is reported in ``SampleResult.failed``
+(its request then fails alone) and every other row is sampled as usual.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.engine.errors import SamplingError
 
 if TYPE_CHECKING:
     from pdserve.engine.sequence import Sequence
@@ -18,6 +26,21 @@ def _step_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@dataclass(slots=True)
+class SampleResult:
+    """One token (and optional logprobs) per row; rows in ``failed`` have no token (their entry
+    in ``tokens`` is 0 and means nothing) and map to the ``SamplingError`` that says why."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]
+    failed: dict[int, SamplingError] = field(default_factory=dict)
+
+
+def _describe(seq: Sequence) -> str:
+    p = seq.params
+    return f"temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p}"
+
+
 class Sampler:
     """Stateless apart from one generator for unseeded requests."""
 
@@ -25,40 +48,46 @@ class Sampler:
         self._rng = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """``logits`` is float32 ``[len(seqs), vocab]``; returns one token (and optional logprobs) per row."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """``logits`` is ``[len(seqs), vocab]``; returns one token (and optional logprobs) per row."""
         logits = logits.float()
         if logits.device.type != "cpu":
             logits = logits.cpu()
-        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
-        tokens: list[int] = [0] * len(seqs)
+        result = SampleResult([0] * len(seqs), [None] * len(seqs))
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for i, ok in enumerate(finite):
+            if not ok:
+                result.failed[i] = SamplingError(
+                    f"request {seqs[i].request_id}: the model's logits are not finite (NaN or inf); "
+                    "no token can be sampled for it")
+        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy and i not in result.failed]
         if greedy_rows:
-            if len(greedy_rows) == len(seqs):
-                tokens = logits.argmax(dim=-1).tolist()
-            else:
-                picked = logits[greedy_rows].argmax(dim=-1).tolist()
-                for i, tok in zip(greedy_rows, picked):
-                    tokens[i] = tok
+            rows = logits if len(greedy_rows) == len(seqs) else logits[greedy_rows]
+            picked = rows.argmax(dim=-1).tolist()
+            for i, tok in zip(greedy_rows, picked):
+                result.tokens[i] = tok
         for i, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[i] = self._sample_row(logits[i], seq)
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+            if not seq.params.greedy and i not in result.failed:
+                try:
+                    result.tokens[i] = self._sample_row(logits[i], seq)
+                except SamplingError as exc:
+                    result.failed[i] = exc
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and i not in result.failed]
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)
             for row, i in enumerate(want):
+                tok = result.tokens[i]
                 k = seqs[i].params.logprobs or 0
-                entry = {tokens[i]: float(lp[row, tokens[i]])}
+                entry = {tok: float(lp[row, tok])}
                 if k > 0:
                     vals, idx = lp[row].topk(k)
                     for v, t in zip(vals.tolist(), idx.tolist()):
                         entry.setdefault(t, v)
-                logprobs[i] = entry
-        return tokens, logprobs
+                result.logprobs[i] = entry
+        return result
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
+        """One token for a non-greedy row; ``SamplingError`` when its distribution is not valid."""
         p = seq.params
         scores = row / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
@@ -73,6 +102,11 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            raise SamplingError(
+                f"request {seq.request_id}: sampling with {_describe(seq)} gave no valid probability "
+                "distribution (NaN, inf or every token filtered out); use temperature 0 (greedy) or a "
+                "larger temperature, and a larger top_p")
         if p.seed is not None:
             gen = torch.Generator().manual_seed(_step_seed(p.seed, len(seq.output_token_ids)))
         else:

@@ -10,13 +10,23 @@ from pdserve.engine.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# Ranges that keep sampling finite. ``logits / temperature`` overflows float32 (inf, then NaN in
+# softmax) for tiny temperatures; vLLM clamps anything below 1e-2 to 1e-2, we refuse it instead
+# (nothing silently changed): 1e-2 already makes any real logit gap decisive, so 0 (greedy) is
+# the way to ask for "the most likely token". A top_p below 1e-6 becomes 0 in float32 and
+# would filter out every token; any top_p <= 1/vocab keeps only the top token anyway.
+MIN_TEMPERATURE = 1e-2
+MIN_TOP_P = 1e-6
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` means greedy, otherwise it is at least ``MIN_TEMPERATURE``.
+    ``top_k == 0`` and ``top_p == 1`` disable those filters; ``top_p`` is at least ``MIN_TOP_P``.
     ``logprobs`` asks for the chosen token's log-probability plus that many top alternatives.
     """
 
@@ -51,18 +61,22 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+        if not math.isfinite(self.temperature) or not (
+                self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE):
             raise InvalidRequestError(
-                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be a number in [{MIN_TOP_P}, 1], got {self.top_p!r}")
+        if not (MIN_TOP_P <= self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must fit in 64 bits ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {tok!r}")

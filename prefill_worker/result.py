@@ -20,6 +20,8 @@ class PrefillResult:
     first_token_id: int | None = None
     first_token_logprobs: dict[int, float] | None = None
     error: str | None = None
+    # Set when the error is the request's own (see ``StepOutput.error_code``): not retried.
+    error_code: str | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     queue_s: float = 0.0

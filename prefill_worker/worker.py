@@ -125,7 +125,7 @@ class PrefillWorker(KVWorker):
         result = PrefillResult(out.request_id, self.worker_id, out.finish_reason or "error",
                                first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
                                first_token_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
-                               error=out.error)
+                               error=out.error, error_code=out.error_code)
         if phase is not None:
             result.prompt_tokens = phase.prompt_tokens
             result.cached_prompt_tokens = phase.cached_prompt_tokens

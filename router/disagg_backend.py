@@ -11,6 +11,9 @@ Failures: a prefill worker lost or failing -> a new attempt elsewhere; a decode 
 before the first token -> a new attempt; lost mid-stream -> migration: the prompt plus the
 tokens already sent are prefilled again elsewhere and the stream goes on with no duplicate and
 no gap. Only when no worker can serve it does the client get an explicit error.
+A failure that is the request's own (a worker reports a request error code, e.g. its sampling
+gave NaN) ends it at once with its own 4xx; an engine step failure that repeats on a second
+worker ends it too: the request, not the worker, is the cause, so it is not retried further.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from pdserve.cluster.ledger import InvalidTransitionError, KVLedger, LedgerState
 from pdserve.engine.block_manager import chain_hashes
 from pdserve.engine.errors import (
     DeadlineExceededError,
+    EngineStepError,
     KVTransferError,
     OutOfBlocksError,
     PdserveError,
     WorkerUnavailableError,
+    request_error,
 )
 from pdserve.kv_transfer import TransferParams
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
@@ -41,9 +46,24 @@ logger = logging.getLogger(__name__)
 class _AttemptFailed(Exception):
     """This attempt failed in a way another attempt may fix (the worker is excluded next time)."""
 
-    def __init__(self, worker_id: str, message: str) -> None:
+    def __init__(self, worker_id: str, message: str, *, code: str | None = None,
+                 reported: str | None = None) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+        self.code = code            # the worker's error code, if it gave one
+        self.reported = reported    # the worker's own error message (no worker id in it)
+
+
+def _repeated_failure(exc: Exception, seen: dict[str, str]) -> EngineStepError | None:
+    """An error to end the request with when this attempt's engine step failed exactly as an
+    earlier attempt's did on another worker (``seen``: reported error -> first worker)."""
+    if not isinstance(exc, _AttemptFailed) or exc.code != EngineStepError.code or not exc.reported:
+        return None
+    first = seen.setdefault(exc.reported, exc.worker_id)
+    if first == exc.worker_id:
+        return None
+    return EngineStepError(f"the request failed the same way on workers {first} and {exc.worker_id}, "
+                           f"so it is not retried: {exc.reported}")
 
 
 class DisaggBackend:
@@ -86,6 +106,7 @@ class DisaggBackend:
         started = time.monotonic()
         emitted: list[int] = []
         excluded: set[str] = set()
+        failures: dict[str, str] = {}
         acc: dict[str, object] = {"attempts": 0, "migrations": 0}
         first_token_at: float | None = None
         for attempt_no in range(1, self.max_attempts + 1):
@@ -105,6 +126,11 @@ class DisaggBackend:
                         yield self._finish(item, req, emitted, started, first_token_at, acc)
                         return
             except (_AttemptFailed, WorkerLost) as exc:
+                repeated = _repeated_failure(exc, failures)
+                if repeated is not None:
+                    logger.warning("request %s: not retried: %s", req.request_id, repeated)
+                    yield self._finish(Finished("error", {}, repeated), req, emitted, started, first_token_at, acc)
+                    return
                 excluded.add(exc.worker_id)
                 if emitted:
                     self.migrations += 1
@@ -209,7 +235,11 @@ class DisaggBackend:
                     finished = True
                     await self._ledger(LedgerState.FREED, attempt)
                     if out.finish_reason == "error":
-                        raise _AttemptFailed(d, out.error or "decode failed")
+                        own = request_error(out.error_code, out.error or "the request failed")
+                        if own is not None:
+                            raise own  # the request's own fault: no other worker would do better
+                        raise _AttemptFailed(d, out.error or "decode failed", code=out.error_code,
+                                             reported=out.error)
                     acc["decode_phase"] = out.phase.to_dict() if out.phase else {}
                     yield Finished(out.finish_reason or "stop", {})
                     return
@@ -240,8 +270,12 @@ class DisaggBackend:
         finally:
             p_view.inflight_tokens -= len(prompt)
         if res.finish_reason in ("error", "abort"):
+            own = request_error(res.error_code, res.error or "the request failed")
+            if own is not None:
+                raise own  # the request's own fault (its reservation on d is aborted on the way out)
             await self._blame_decode_if_gone(d, res.error or res.finish_reason)
-            raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}")
+            raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}", code=res.error_code,
+                                 reported=res.error)
         acc.update(queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes,
                    kv_transfer_s=res.kv_transfer_s, kv_exposed_s=res.kv_exposed_s,
                    kv_descriptors=res.kv_descriptors, cached_prompt_tokens=res.cached_prompt_tokens)

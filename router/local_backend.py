@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError
+from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError, request_error
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class LocalEngineBackend:
                                prefill_worker=self._worker_id, decode_worker=self._worker_id)
         error = stream.error
         if error is None and out.error:
-            error = PdserveError(out.error)
+            error = request_error(out.error_code, out.error) or PdserveError(out.error)
         reason = out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "error"
         if error is not None:
             reason = "error"

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.errors import ModelNotFoundError
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from pdserve.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 from pdserve.engine.sequence import Priority
 from pdserve.router.errors import InvalidParameterError
 
@@ -124,19 +132,20 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     temperature = _opt_number(body, "temperature")
     if temperature is not None:
-        if not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise _bad("temperature", f"'temperature' must be between 0 and {MAX_TEMPERATURE} "
-                                      f"(0 is greedy), got {temperature}")
+        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+            raise _bad("temperature", f"'temperature' must be between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}, "
+                                      f"or 0 (greedy), got {temperature}")
         out["temperature"] = temperature
     top_p = _opt_number(body, "top_p")
     if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise _bad("top_p", f"'top_p' must be greater than 0 and at most 1, got {top_p}")
+        if not MIN_TOP_P <= top_p <= 1.0:
+            raise _bad("top_p", f"'top_p' must be greater than 0 (at least {MIN_TOP_P}) and at most 1, "
+                                f"got {top_p}")
         out["top_p"] = top_p
     top_k = _opt_int(body, "top_k", lo=0)
     if top_k is not None:
         out["top_k"] = top_k
-    seed = _opt_int(body, "seed")
+    seed = _opt_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX)
     if seed is not None:
         out["seed"] = seed
     stop = body.get("stop")

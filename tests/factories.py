@@ -129,3 +129,18 @@ def fake_step(
             scheduler.finish(seq, FinishReason.LENGTH)
             finished.append(seq)
     return out, finished
+
+
+class UncheckedSamplingParams(SamplingParams):
+    """SamplingParams whose own validation is off, so it can hold values that validation refuses
+    (e.g. ``temperature=1e-300``): it stands for any value that slips past validation, to check
+    that one bad request fails alone. It survives ``dataclasses.replace`` and pickling (Ray)."""
+
+    __slots__ = ()
+
+    def _validate(self) -> None:
+        return None
+
+
+def make_unchecked_params(**fields: object) -> SamplingParams:
+    return UncheckedSamplingParams(**fields)

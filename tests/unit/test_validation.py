@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
 from pdserve.engine.errors import (
     AuthenticationError,
     DeadlineExceededError,
+    EngineStepError,
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
     PdserveError,
+    SamplingError,
     WorkerUnavailableError,
+    request_error,
 )
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
@@ -88,12 +94,22 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(max_tokens="10"), "max_tokens", "must be an integer"),
     (completion(max_tokens=True), "max_tokens", "must be an integer"),
     (completion(max_tokens=2.5), "max_tokens", "must be an integer"),
-    (completion(temperature=-0.1), "temperature", "between 0 and 2"),
-    (completion(temperature=2.5), "temperature", "between 0 and 2"),
+    (completion(temperature=-0.1), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
+    (completion(temperature=2.5), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
+    # Tiny temperatures overflow logits / temperature to inf (NaN after softmax).
+    (completion(temperature=1e-300), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
+    (completion(temperature=1e-39), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
+    (completion(temperature=0.009), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
     (completion(temperature="hot"), "temperature", "finite number"),
     (completion(temperature=float("nan")), "temperature", "finite number"),
-    (completion(top_p=0), "top_p", "greater than 0"),
-    (completion(top_p=1.5), "top_p", "at most 1"),
+    (completion(top_p=0), "top_p", "at least 1e-06) and at most 1"),
+    (completion(top_p=1.5), "top_p", "at least 1e-06) and at most 1"),
+    # Below float32's range top_p becomes 0 and filters out every token.
+    (completion(top_p=1e-300), "top_p", "at least 1e-06) and at most 1"),
+    (chat(top_p=1e-7), "top_p", "at least 1e-06) and at most 1"),
+    (chat(temperature=1e-300), "temperature", "between 0.01 and 2.0, or 0 (greedy)"),
+    (completion(seed=2**64), "seed", "at most 18446744073709551615"),
+    (completion(seed=-(2**63) - 1), "seed", "at least -9223372036854775808"),
     (completion(top_k=-1), "top_k", "at least 0"),
     (completion(stop=[""]), "stop", "non-empty"),
     (completion(stop=["x"] * 17), "stop", "at most 16"),
@@ -170,6 +186,35 @@ def test_grpc_fields() -> None:
         parse_generate_fields("", "hi", None, {"max_tokens": 0}, Priority.INTERACTIVE)
 
 
+@pytest.mark.parametrize("field, value", [("temperature", 1e-300), ("top_p", 1e-300), ("seed", 2**64)])
+def test_grpc_sampling_fields_out_of_range_name_the_field(field, value) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_generate_fields("", "hi", None, {field: value}, Priority.INTERACTIVE)
+    assert info.value.param == field and field in str(info.value)
+    assert errors.grpc_status_code(info.value) is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sampling_limits_accept_their_edges() -> None:
+    req = parse_completion_body(completion(temperature=0.01, top_p=1e-6, seed=2**64 - 1))
+    params = req.sampling_params(4)
+    assert (params.temperature, params.top_p, params.seed) == (0.01, 1e-6, 2**64 - 1)
+    assert parse_completion_body(completion(seed=-(2**63))).sampling["seed"] == -(2**63)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"temperature": 1e-300}, "temperature must be 0 (greedy) or a finite number >= 0.01"),
+    ({"temperature": 0.001}, "temperature must be 0 (greedy) or a finite number >= 0.01"),
+    ({"temperature": float("inf")}, "temperature must be 0 (greedy)"),
+    ({"top_p": 1e-300}, "top_p must be in [1e-06, 1]"),
+    ({"top_p": float("nan")}, "top_p must be in [1e-06, 1]"),
+    ({"seed": 2**64}, "seed must fit in 64 bits"),
+])
+def test_sampling_params_refuse_values_that_can_overflow(fields, words) -> None:
+    """The engine's own check, for callers that build SamplingParams without the router."""
+    with pytest.raises(InvalidRequestError, match=re.escape(words)):
+        SamplingParams(**fields)
+
+
 # ------------------------------------------------------------ error mapping
 @pytest.mark.parametrize("exc, http, code", [
     (InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
@@ -180,6 +225,8 @@ def test_grpc_fields() -> None:
     (DeadlineExceededError("x"), 504, grpc.StatusCode.DEADLINE_EXCEEDED),
     (WorkerUnavailableError("x"), 503, grpc.StatusCode.UNAVAILABLE),
     (PdserveError("x"), 500, grpc.StatusCode.INTERNAL),
+    (SamplingError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineStepError("x"), 500, grpc.StatusCode.INTERNAL),
     (RuntimeError("secret internals"), 500, grpc.StatusCode.INTERNAL),
 ])
 def test_each_error_maps_to_one_grpc_and_one_http_status(exc, http, code) -> None:
@@ -188,6 +235,14 @@ def test_each_error_maps_to_one_grpc_and_one_http_status(exc, http, code) -> Non
     body = errors.openai_error_body(exc)
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert "secret" not in body["error"]["message"]
+
+
+def test_a_workers_request_error_code_becomes_its_typed_400() -> None:
+    err = request_error("sampling_failed", "request r: no valid distribution")
+    assert isinstance(err, SamplingError) and str(err) == "request r: no valid distribution"
+    assert errors.http_status(err) == 400
+    assert errors.openai_error_body(err)["error"]["code"] == "sampling_failed"
+    assert request_error(EngineStepError.code, "x") is None and request_error(None, "x") is None
 
 
 def test_overload_tells_when_to_retry() -> None:
