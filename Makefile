@@ -7,9 +7,14 @@ STAMP := $(VENV)/.pdserve-setup
 # The CPU build of torch lies on this machine's disk; pinning it keeps pip from downloading a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean-models
+.PHONY: setup kernels demo test test-fast bench clean-models
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# C++ kernels, built for this host under $(VENV)/lib/pdserve-kernels (a no-op when up to date; on a
+# host without a compiler it logs one line and the engine uses its torch attention path)
+kernels: $(STAMP)
+	@$(PY) -m pdserve.engine.kernels.build
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -102,6 +102,10 @@ class EngineSettings(_Settings):
                                     "default: torch's choice (best set to num_cpus).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs; 'cuda' needs "
                                            "num_gpus > 0 in the pool.")
+    attention_backend: Literal["auto", "native", "sdpa"] = Field(
+        "auto", description="Decode attention: 'native' = the C++ kernel built by `make setup` (reads "
+        "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
+        "SDPA, 'auto' = native when built and on CPU (a log line says when it falls back).")
 
     @field_validator("block_size")
     @classmethod
@@ -186,7 +190,8 @@ class PoolSettings(_Settings):
             num_blocks=e.num_kv_blocks, kv_cache_memory_gb=e.kv_cache_memory_gb,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
-            enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads)
+            enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
+            attention_backend=e.attention_backend)
 
 
 class DisaggregationSettings(_Settings):

@@ -7,18 +7,26 @@ contiguous ``[block_size, kv_heads, head_dim]`` slab, so ``index_select`` over a
 large contiguous pieces, and the result views as ``[seqs, positions, kv_heads, head_dim]`` without
 another copy. A step's plan turns block tables into index tensors once, for all layers.
 
-Rows of the flat token batch are ordered decodes first (one token each, attended together in one
-SDPA call, padded to the longest table and masked), then prefill chunks (one SDPA call each, over
+Rows of the flat token batch are ordered decodes first (one token each, attended together: by the C++
+kernel ``torch.ops.pdserve.paged_decode_attention``, which reads K/V in place through the block
+tables, or, on the "sdpa" backend, by one SDPA call over gathered blocks, padded to the longest table
+and masked), then prefill chunks (one SDPA call each, over
 the cached context and the chunk, causal with the mask offset by the chunk's start position).
 Grouped-query attention never repeats K/V: queries are viewed as ``[.., kv_heads, group, ..]``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 
 
 @dataclass(slots=True)
@@ -44,7 +52,11 @@ class AttentionPlan:
         base = blk * c.rows_per_block + positions % bs
         self.write = (base[None, :, None] + c.layer_kv_rows[:, None, :]).to(dev)   # [L, T, 2]
         self.num_decodes = b = len(decodes)
-        if decodes:
+        if decodes and c.native:
+            nb = -(-max(p + 1 for p, _ in decodes) // bs)
+            self.decode_tables = _pad_tables([t[:nb] for _, t in decodes], nb).to(torch.int32)
+            self.decode_lens = torch.tensor([p + 1 for p, _ in decodes], dtype=torch.int32)
+        elif decodes:
             ctx = torch.tensor([p + 1 for p, _ in decodes])
             nb = -(-int(ctx.max()) // bs)
             self.decode_blocks = _pad_tables([t[:nb] for _, t in decodes], nb).view(-1).to(dev)
@@ -78,7 +90,11 @@ class AttentionPlan:
         t = qkv.shape[0]
         c.rows.index_put_((self.write[layer],), qkv[:, c.q_width :].view(t, 2, c.kv_width))
         outs = []
-        if self.num_decodes:
+        if self.num_decodes and c.native:
+            b = self.num_decodes
+            outs.append(torch.ops.pdserve.paged_decode_attention(
+                qkv[:b, : c.q_width], c.kv_cache, layer, self.decode_tables, self.decode_lens, c.scale))
+        elif self.num_decodes:
             b = self.num_decodes
             k, v = self._gather(layer, self.decode_blocks, b, self.decode_ctx)
             q = qkv[:b, : c.q_width].view(b, c.num_kv_heads, c.group, c.head_dim)
@@ -111,7 +127,9 @@ class AttentionPlan:
 class PagedKVCache:
     """Owns the cache tensor, its per-layer views and the constants that address it."""
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, backend: str = "auto") -> None:
+        """``backend``: "native" (the C++ kernel reads the cache in place; an error if it is not
+        built), "sdpa" (gather blocks, torch SDPA) or "auto" (native when built and on CPU)."""
         nb, layers, two, bs, kvh, d = kv_cache.shape
         if two != 2 or num_heads % kvh:
             raise ValueError(f"bad kv_cache shape {tuple(kv_cache.shape)} for {num_heads} heads")
@@ -126,6 +144,9 @@ class PagedKVCache:
         self.q_width = num_heads * d
         self.rows_per_block = layers * 2 * bs
         self.layer_kv_rows = torch.arange(layers)[:, None] * (2 * bs) + torch.arange(2)[None, :] * bs   # [L, 2]
+        self.scale = 1.0 / math.sqrt(d)   # SDPA's default
+        self.native = _use_native(backend, kv_cache)
+        self.backend = "native" if self.native else "sdpa"
 
     def plan(self, decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
              positions: torch.Tensor) -> AttentionPlan:
@@ -136,6 +157,29 @@ class PagedKVCache:
         for _, _, table in prefills:
             _check_table(table, self.num_blocks)
         return AttentionPlan(self, decodes, prefills, positions)
+
+
+def _use_native(backend: str, kv_cache: torch.Tensor) -> bool:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "sdpa":
+        return False
+    why = None
+    if kv_cache.device.type != "cpu":
+        why = f"the C++ kernel runs on CPU, the KV cache is on {kv_cache.device}"
+    elif kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        why = f"the C++ kernel supports float32 and bfloat16, the KV cache is {kv_cache.dtype}"
+    else:
+        from pdserve.engine.kernels import load
+
+        status = load()
+        why = None if status.available else status.reason
+    if why is None:
+        return True
+    if backend == "native":
+        raise ValueError(f"attention_backend='native' is unavailable: {why}")
+    logger.info("attention backend auto: sdpa (%s)", why)
+    return False
 
 
 def _check_table(table: list[int], num_blocks: int) -> None:

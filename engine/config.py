@@ -56,6 +56,7 @@ class EngineConfig:
     policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
     mode: EngineMode = EngineMode.COLOCATED
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
+    attention_backend: str = "auto"   # "auto" | "native" (C++, reads the paged cache in place) | "sdpa"
     seed: int = 0
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
     # engine then decodes text only for requests with stop strings.
@@ -74,5 +75,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.attention_backend not in ("auto", "native", "sdpa"):
+            raise ValueError(f"attention_backend must be 'auto', 'native' or 'sdpa', got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

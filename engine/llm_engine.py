@@ -79,6 +79,7 @@ class LLMEngine:
             num_blocks=config.num_blocks,
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
+            attention_backend=config.attention_backend,
         )
         self.spec = self.runner.spec
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,

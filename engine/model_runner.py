@@ -43,10 +43,13 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 num_threads: int | None = None, linear_backend: str = "auto") -> None:
+                 num_threads: int | None = None, linear_backend: str = "auto",
+                 attention_backend: str = "auto") -> None:
         """``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
         epilogues, CPU only) or "auto" (packed for bfloat16 on CPU, where it measured faster;
-        dense otherwise: at float32 oneDNN's per-call cost outweighs what it saves)."""
+        dense otherwise: at float32 oneDNN's per-call cost outweighs what it saves).
+        ``attention_backend``: "native" (C++ decode attention reading the paged cache in place),
+        "sdpa" (gather + torch SDPA) or "auto" (native when its library is built, on CPU)."""
         if linear_backend not in ("auto", "dense", "packed"):
             raise ValueError(f"linear_backend must be 'auto', 'dense' or 'packed', got {linear_backend!r}")
         if dtype not in _DTYPES:
@@ -80,10 +83,11 @@ class ModelRunner:
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
         self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=self.dtype, device=self.device)
-        self._cache = PagedKVCache(self.kv_cache, spec.num_heads)
-        logger.info("model %s loaded: %d layers, %s, %s matmuls, %d KV blocks of %d bytes",
-                    spec.architecture, spec.num_layers, dtype, self.linear_backend, num_blocks,
-                    self.kv_block_bytes)
+        self._cache = PagedKVCache(self.kv_cache, spec.num_heads, attention_backend)
+        self.attention_backend = self._cache.backend
+        logger.info("model %s loaded: %d layers, %s, %s matmuls, %s attention, %d KV blocks of %d bytes",
+                    spec.architecture, spec.num_layers, dtype, self.linear_backend, self.attention_backend,
+                    num_blocks, self.kv_block_bytes)
 
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem]) -> torch.Tensor:
