@@ -86,11 +86,11 @@ def _requests(args: argparse.Namespace) -> int:
     from pdserve.cluster import launcher
     from pdserve.cluster.request_log import RequestLog
 
-    url = args.redis_url or (launcher.read_state() or {}).get("redis_url")
-    if not url:
+    client = launcher.state_redis_client(args.redis_url)  # the password from the 0600 state file
+    if client is None:
         print("pdserve is not up; pass --redis-url", file=sys.stderr)
         return 1
-    log = RequestLog(url)
+    log = RequestLog(client)
     records = log.follow(from_start=False) if args.follow else log.tail(args.count)
     for rec in records:
         print(json.dumps(rec) if args.json else _format_request(rec), flush=True)

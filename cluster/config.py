@@ -265,8 +265,11 @@ class RedisSettings(_Settings):
                                        "PDSERVE_REDIS_PASSWORD environment variable overrides it.")
     data_dir: Path | None = Field(None, description="Embedded server's data directory (append-only "
                                   "file, survives restarts); unset = a temporary directory.")
+    tls_ca_file: Path | None = Field(None, description="CA certificate (PEM) that an external "
+                                     "rediss:// server's certificate must chain to; unset = the "
+                                     "system's CAs. Only with a rediss:// url.")
 
-    _resolve_path = field_validator("data_dir")(_absolute)
+    _resolve_path = field_validator("data_dir", "tls_ca_file")(_absolute)
 
     @field_validator("url")
     @classmethod
@@ -284,6 +287,8 @@ class RedisSettings(_Settings):
     def _embedded_only(self) -> RedisSettings:
         if self.url is not None and self.data_dir is not None:
             raise ValueError("data_dir: only applies to the embedded server (remove url or data_dir)")
+        if self.tls_ca_file is not None and not (self.url or "").startswith("rediss://"):
+            raise ValueError("tls_ca_file: needs a rediss:// url (TLS to an external Redis)")
         return self
 
 
@@ -390,6 +395,8 @@ class ClusterConfig(_Settings):
                 problems.append(f"router.{name}: {file} is not a file")
         if self.redis.data_dir is not None and self.redis.data_dir.exists() and not self.redis.data_dir.is_dir():
             problems.append(f"redis.data_dir: {self.redis.data_dir} is not a directory")
+        if self.redis.tls_ca_file is not None and not self.redis.tls_ca_file.is_file():
+            problems.append(f"redis.tls_ca_file: {self.redis.tls_ca_file} is not a file")
         return problems
 
 

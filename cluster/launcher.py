@@ -15,15 +15,20 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         use_loopback()
     import ray
 
-    from pdserve.cluster.redis_server import EmbeddedRedis, connect
+    from pdserve.cluster.redis_server import EmbeddedRedis
+    from pdserve.cluster.redis_supervisor import RedisSupervisor
     from pdserve.cluster.router_service import RouterService
 
     started_ray = False
@@ -82,13 +88,18 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                           include_dashboard=config.ray.include_dashboard, dashboard_host=LOOPBACK_IP,
                           dashboard_port=config.ray.dashboard_port)
         ray.init(**kwargs)
-    redis_server = None
+    redis_server = supervisor = None
     redis_url = config.redis.url
+    # The password travels in memory (and in a 0600 file for the CLI), never in a URL or argv.
+    password = config.redis.password.get_secret_value() if config.redis.password else None
     if redis_url is None:
-        password = config.redis.password.get_secret_value() if config.redis.password else None
-        redis_server = EmbeddedRedis(password=password, data_dir=config.redis.data_dir).start()
-        redis_url = redis_server.url
-    service = RouterService(config, redis_url=redis_url, namespace=config.ray.namespace)
+        password = password or secrets.token_urlsafe(24)  # the embedded server is never open
+        redis_server = EmbeddedRedis(password=password, data_dir=config.redis.data_dir,
+                                     appendonly=True).start()
+        supervisor = RedisSupervisor(redis_server).start()  # restarted (with its AOF) if it dies
+        redis_url = redis_server.address_url
+    service = RouterService(config, redis_url=redis_url, namespace=config.ray.namespace,
+                            redis_password=password)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,15 +107,17 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    client = connect(redis_url)
     state: dict = {}
     try:
         endpoints = await service.start()
         state = {"pid": os.getpid(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
                  "redis_url": redis_url, "ray_address": ray.get_runtime_context().gcs_address,
                  "dashboard": _dashboard_url(), "model": config.model.served_name, "started_at": time.time()}
+        if config.redis.tls_ca_file is not None:
+            state["redis_tls_ca_file"] = str(config.redis.tls_ca_file)
         if write_state:
             state_dir().mkdir(parents=True, exist_ok=True)
+            _write_redis_password(password)
             tmp = state_file().with_suffix(".tmp")
             tmp.write_text(json.dumps(state, indent=2))
             tmp.replace(state_file())
@@ -112,7 +125,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         if ready is not None:
             ready.set()
         while not stop.is_set():
-            await asyncio.to_thread(client.set, STATUS_KEY, json.dumps(service.status()), ex=10)
+            await service.publish_status(STATUS_KEY, ttl_s=10)  # skipped while Redis is down
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
@@ -120,11 +133,14 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         logger.info("stopping: draining in-flight requests")
         await _drain(service)
     finally:
-        await service.stop()
         try:
-            client.delete(STATUS_KEY)
-        except Exception:
-            pass
+            if service.redis_client is not None and (service.redis_guard is None or service.redis_guard.up):
+                service.redis_client.delete(STATUS_KEY)
+        except Exception as exc:  # Redis down at shutdown: the key expires on its own in 10 s
+            logger.info("status key not deleted: %s", exc)
+        await service.stop()
+        if supervisor is not None:
+            supervisor.stop()
         if redis_server is not None:
             redis_server.stop()
         if started_ray:
@@ -132,7 +148,41 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         st = read_state()
         if write_state and st and st.get("pid") == os.getpid():
             state_file().unlink(missing_ok=True)
+            redis_password_file().unlink(missing_ok=True)
     return state
+
+
+def redis_password_file() -> Path:
+    """The head's Redis password for CLI commands (``status``, ``requests``): mode 0600."""
+    return state_dir() / "redis-password"
+
+
+def _write_redis_password(password: str | None) -> None:
+    path = redis_password_file()
+    if password is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(password)
+    tmp.replace(path)
+
+
+def state_redis_client(url: str | None = None) -> redis.Redis | None:
+    """A Redis client for CLI commands, from the state file (URL, CA) and the password file."""
+    from pdserve.cluster.redis_server import connect
+
+    st = read_state() or {}
+    url = url or st.get("redis_url")
+    if not url:
+        return None
+    try:
+        password = redis_password_file().read_text(encoding="utf-8") or None
+    except FileNotFoundError:
+        password = None
+    return connect(url, retries=2, password=password, ssl_ca_file=st.get("redis_tls_ca_file"))
 
 
 async def _drain(service) -> None:
@@ -260,9 +310,7 @@ def fetch_status() -> dict | None:
     st = read_state()
     if not st:
         return None
-    from pdserve.cluster.redis_server import connect
-
-    raw = connect(st["redis_url"], retries=2).get(STATUS_KEY)
+    raw = state_redis_client().get(STATUS_KEY)
     status = json.loads(raw) if raw else {}
     status["state"] = st
     return status

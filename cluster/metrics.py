@@ -136,6 +136,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("pdserve_planner_target_replicas", "Replicas the planner last asked a pool to run.", _POOL),
     _g("pdserve_planner_utilization", "A pool's utilisation as the planner sees it (1.0 = at target).", _POOL),
     _c("pdserve_planner_decisions_total", "Planner decisions, by pool and action.", _POOL + ("action",)),
+    # The head's Redis (ledger, request log, status), through cluster.redis_guard.
+    _g("pdserve_redis_up", "1 while the head reaches Redis, 0 during an outage.", ("role",)),
+    _c("pdserve_redis_calls_dropped_total", "Redis writes the head skipped (or deferred, for the "
+       "ledger) because Redis was down, by kind.", ("role", "kind")),
 )
 _SPECS = {m.name: m for m in METRICS}
 
@@ -357,6 +361,22 @@ class RouterMetrics:
         """Requests the router is serving, and those it queued (admission) before sending."""
         _set("pdserve_num_requests_running", running, self.tags)
         _set("pdserve_num_requests_waiting", waiting, self.tags)
+
+    def close(self) -> None:
+        _INSTRUMENTS.forget(self.tags)
+
+
+class RedisMetrics:
+    """The head's view of Redis, labelled ``role="router"``: up or not, and calls it dropped."""
+
+    def __init__(self) -> None:
+        self.tags = {"role": "router"}
+
+    def set_up(self, up: bool) -> None:
+        _set("pdserve_redis_up", 1.0 if up else 0.0, self.tags)
+
+    def dropped(self, kind: str) -> None:
+        _inc("pdserve_redis_calls_dropped_total", 1, {**self.tags, "kind": _label(kind, "kind")})
 
     def close(self) -> None:
         _INSTRUMENTS.forget(self.tags)

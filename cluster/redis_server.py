@@ -75,6 +75,8 @@ def connect(
     *,
     socket_timeout_s: float = 5.0,
     retries: int = 12,
+    password: str | None = None,
+    ssl_ca_file: str | os.PathLike[str] | None = None,
 ) -> redis.Redis:
     """Return a redis-py client for pdserve's shared state.
 
@@ -82,6 +84,9 @@ def connect(
     raw bytes). A URL gets a client that retries connection errors, timeouts and
     "loading dataset" replies with exponential backoff capped at 0.5 s (about 4 s in all with
     the default ``retries``), which is enough to ride out a restart of the embedded server.
+    The request path asks for fewer retries and a shorter timeout (``RedisGuard`` fails fast
+    while Redis is down). ``password`` is used when the URL carries none (so it never has to
+    be written into a URL); ``ssl_ca_file`` verifies a ``rediss://`` server against that CA.
     """
     if isinstance(client_or_url, redis.Redis):
         if client_or_url.connection_pool.connection_kwargs.get("decode_responses"):
@@ -92,6 +97,13 @@ def connect(
     if socket_timeout_s <= 0:
         raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
     retry = _Retry(ExponentialBackoff(cap=0.5, base=0.02), retries)
+    extra: dict[str, Any] = {}
+    if password is not None:
+        extra["password"] = password  # a password in the URL itself takes precedence
+    if ssl_ca_file is not None:
+        if not client_or_url.startswith("rediss://"):
+            raise ValueError("ssl_ca_file needs a rediss:// URL (TLS)")
+        extra.update(ssl_ca_certs=str(ssl_ca_file), ssl_cert_reqs="required")
     return redis.Redis.from_url(
         client_or_url,
         decode_responses=False,
@@ -100,6 +112,7 @@ def connect(
         retry=retry,
         retry_on_error=[BusyLoadingError, RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
+        **extra,
     )
 
 
@@ -205,6 +218,11 @@ class EmbeddedRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
+    def address_url(self) -> str:
+        """``redis://host:port/0`` without the password (safe to log or write to a state file)."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / "server.log"
 
@@ -255,6 +273,16 @@ class EmbeddedRedis:
     def restart(self) -> None:
         """Stop and start again on the same port and data directory."""
         self._terminate()
+        self._port_chosen_by_us = False  # clients hold this port's URL; never move it
+        self.start()
+
+    def exit_code(self) -> int | None:
+        """The exit code of a server that died on its own; None while it runs (or never ran)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def start_again(self) -> None:
+        """Start a server that died (crash, OOM kill) on its port and data dir, with its AOF."""
+        self._clear_proc()
         self._port_chosen_by_us = False  # clients hold this port's URL; never move it
         self.start()
 

@@ -8,6 +8,8 @@ Ray actor (``cluster.launcher``), so that ``pdserve up`` can return while it kee
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ledger import KVLedger, Side
+from pdserve.cluster.ledger_writer import LedgerWriter
 from pdserve.cluster.pool_manager import PoolManager
 from pdserve.cluster.reaper import LeaseReaper
+from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
+from pdserve.cluster.redis_server import connect
 from pdserve.cluster.request_log import RequestLog
 from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
@@ -35,10 +40,12 @@ logger = logging.getLogger(__name__)
 class _LoggedBackend:
     """Appends every finished request's record to the Redis request log (``pdserve requests tail``)."""
 
-    def __init__(self, inner: DisaggBackend, log: RequestLog | None, metrics=None) -> None:
+    def __init__(self, inner: DisaggBackend, log: RequestLog | None, metrics=None,
+                 guard: RedisGuard | None = None) -> None:
         self._inner = inner
         self._log = log
         self._metrics = metrics
+        self._guard = guard
 
     def model_info(self) -> ModelInfo:
         return self._inner.model_info()
@@ -65,7 +72,12 @@ class _LoggedBackend:
 
     async def _append(self, record: dict) -> None:
         try:
-            await asyncio.to_thread(self._log.append, record)
+            if self._guard is not None:
+                await self._guard.call("request_log", self._log.append, record)
+            else:
+                await asyncio.to_thread(self._log.append, record)
+        except RedisUnavailableError:
+            pass  # Redis down: counted (and warned about once per outage) by the guard
         except Exception as exc:  # the request itself already completed; an operator log gap is logged
             logger.warning("request log append failed: %s", exc)
 
@@ -76,18 +88,44 @@ class Endpoints:
     grpc_target: str
 
 
+# The request path's Redis client: a short timeout and one retry (the guard fails fast while
+# Redis is down and probes in the background, so no call waits out a long backoff).
+REDIS_SOCKET_TIMEOUT_S = 2.0
+REDIS_RETRIES = 1
+
+
 class RouterService:
     def __init__(self, config: ClusterConfig, *, redis_url: str | None, namespace: str | None = None,
                  detached_workers: bool = False, reap_interval_s: float = 2.0,
-                 redis_namespace: str = "pdserve") -> None:
-        """``redis_namespace`` keeps two clusters sharing one Redis apart (ledger and request log)."""
+                 redis_namespace: str = "pdserve", redis_password: str | None = None) -> None:
+        """``redis_namespace`` keeps two clusters sharing one Redis apart (ledger and request log).
+        ``redis_password`` (default: ``config.redis.password``) is used when the URL has none;
+        ``config.redis.tls_ca_file`` verifies a ``rediss://`` server."""
         self.config = config
         self.redis_url = redis_url
         self.pool = WorkerPool(stats_timeout_s=config.router.worker_stats_timeout_s,
                                dead_after_s=config.router.worker_dead_after_s)
         self.manager = PoolManager(config, self.pool, namespace=namespace, detached=detached_workers)
-        self.ledger = KVLedger(redis_url, namespace=redis_namespace) if redis_url else None
-        self.request_log = RequestLog(redis_url, stream=f"{redis_namespace}:requests") if redis_url else None
+        self.redis_client = None
+        self.redis_guard: RedisGuard | None = None
+        self.ledger: KVLedger | None = None
+        self.request_log: RequestLog | None = None
+        self.ledger_writer: LedgerWriter | None = None
+        self._lost_while_down: set[str] = set()
+        if redis_url:
+            if redis_password is None and config.redis.password is not None:
+                redis_password = config.redis.password.get_secret_value()
+            ca = config.redis.tls_ca_file
+            self.redis_client = connect(redis_url, socket_timeout_s=REDIS_SOCKET_TIMEOUT_S,
+                                        retries=REDIS_RETRIES, password=redis_password,
+                                        ssl_ca_file=str(ca) if ca is not None else None)
+            from pdserve.cluster.metrics import RedisMetrics
+
+            self.redis_metrics = RedisMetrics()
+            self.redis_guard = RedisGuard(self.redis_client, on_drop=self.redis_metrics.dropped,
+                                          on_state=self.redis_metrics.set_up)
+            self.ledger = KVLedger(self.redis_client, namespace=redis_namespace)
+            self.request_log = RequestLog(self.redis_client, stream=f"{redis_namespace}:requests")
         self.reap_interval_s = reap_interval_s
         self.backend: DisaggBackend | None = None
         self.serving: Serving | None = None
@@ -110,7 +148,9 @@ class RouterService:
         dis = cfg.router.disaggregation
         local_max = {"never": max_len, "always": 0}.get(dis.mode, dis.local_prefill_max_tokens)
         policy = RoutingPolicy(block_size=cfg.decode.engine.block_size, local_prefill_max_tokens=local_max)
-        self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger,
+        if self.ledger is not None and self.redis_guard is not None:
+            self.ledger_writer = LedgerWriter(self.ledger, self.redis_guard)
+        self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger_writer,
                                      call_timeout_s=cfg.router.request_timeout_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
@@ -118,7 +158,8 @@ class RouterService:
 
         self.metrics = RouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
-        self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics), admission=admission)
+        self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics, self.redis_guard),
+                               admission=admission)
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router
@@ -153,6 +194,8 @@ class RouterService:
             await s.stop()
         await self.pool.stop()
         await self.manager.shutdown()
+        if self.redis_guard is not None:
+            self.redis_guard.close()
 
     # ------------------------------------------------------------ background
     def _on_worker_lost(self, worker_id: str) -> None:
@@ -161,12 +204,7 @@ class RouterService:
 
     async def _handle_lost(self, worker_id: str) -> None:
         if self.ledger is not None:
-            reaper = LeaseReaper(self.ledger, self._release)
-            try:
-                reaped = await asyncio.to_thread(reaper.reap_worker, worker_id)
-                logger.info("reclaimed %d ledger entries of dead worker %s", len(reaped), worker_id)
-            except Exception as exc:
-                logger.warning("reaping dead worker %s failed: %s", worker_id, exc)
+            await self._reap_worker(worker_id)
         try:
             await self.manager.handle_lost(worker_id)
         except Exception:
@@ -186,16 +224,58 @@ class RouterService:
             logger.warning("release of %s on %s failed: %s", request_id, worker_id, exc)
             return False
 
+    async def _reap_worker(self, worker_id: str) -> None:
+        """Free a dead worker's ledger entries now, or once Redis is back if it is down."""
+        reaper = LeaseReaper(self.ledger, self._release)
+        try:
+            reaped = await self._redis("reaper", reaper.reap_worker, worker_id)
+            logger.info("reclaimed %d ledger entries of dead worker %s", len(reaped), worker_id)
+        except RedisUnavailableError:
+            self._lost_while_down.add(worker_id)
+        except Exception as exc:
+            logger.warning("reaping dead worker %s failed: %s", worker_id, exc)
+
+    async def _redis(self, kind: str, fn, *args):
+        """A Redis call off the event loop: through the guard (own pool, fail fast when down)."""
+        if self.redis_guard is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self.redis_guard.call(kind, fn, *args)
+
     async def _reap_loop(self) -> None:
         reaper = LeaseReaper(self.ledger, self._release)
         while True:
             await asyncio.sleep(self.reap_interval_s)
+            if self.redis_guard is not None and not self.redis_guard.up:
+                continue  # nothing to reap from; the workers' own timeouts hold meanwhile
             try:
-                reaped = await asyncio.to_thread(reaper.reap_once)
+                # Redis came back: write what the outage deferred and renew live leases first,
+                # so the reaper never takes the blocks of a request that is still running.
+                if self.ledger_writer is not None and self.ledger_writer.needs_resync():
+                    live = list(self.backend._active) if self.backend is not None else []
+                    lease = self.backend.lease_s if self.backend is not None else 120.0
+                    await self.ledger_writer.resync(live, lease)
+                    if self.ledger_writer.needs_resync():
+                        continue
+                for worker_id in sorted(self._lost_while_down):
+                    self._lost_while_down.discard(worker_id)
+                    await self._reap_worker(worker_id)
+                reaped = await self._redis("reaper", reaper.reap_once)
                 for r in reaped:
                     logger.info("reaper: %s (%s) released %s", r.request_id, r.reason, [s.value for s in r.released])
+            except RedisUnavailableError:
+                pass  # counted and logged once per outage by the guard
             except Exception as exc:
                 logger.warning("reaper pass failed: %s", exc)
+
+    async def publish_status(self, key: str, ttl_s: int = 10) -> bool:
+        """Write ``status()`` to Redis under ``key``; False (not an error) while Redis is down."""
+        if self.redis_client is None:
+            return False
+        try:
+            await self._redis("status", self.redis_client.set, key, json.dumps(self.status()), ttl_s)
+        except RedisUnavailableError:
+            return False
+        return True
 
     async def _plan_loop(self) -> None:
         while True:
@@ -240,4 +320,5 @@ class RouterService:
             "migrations": self.backend.migrations if self.backend else 0,
             "retries": self.backend.retries if self.backend else 0,
             "uptime_s": time.time() - self.started_at,
+            "redis": dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
         }

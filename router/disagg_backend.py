@@ -24,7 +24,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pdserve.cluster.ledger import InvalidTransitionError, KVLedger, LedgerState
+from pdserve.cluster.ledger import LedgerState
+from pdserve.cluster.ledger_writer import LedgerWriter
 from pdserve.engine.block_manager import chain_hashes
 from pdserve.engine.errors import (
     DeadlineExceededError,
@@ -68,7 +69,7 @@ def _repeated_failure(exc: Exception, seen: dict[str, str]) -> EngineStepError |
 
 class DisaggBackend:
     def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
-                 ledger: KVLedger | None = None, max_attempts: int = 4, lease_s: float = 120.0,
+                 ledger: LedgerWriter | None = None, max_attempts: int = 4, lease_s: float = 120.0,
                  reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0) -> None:
         self._info = info
         self.pool = pool
@@ -355,29 +356,18 @@ class DisaggBackend:
 
     # --------------------------------------------------------------- helpers
     def _renew_later(self, attempt: str) -> None:
-        async def renew() -> None:
-            try:
-                await asyncio.to_thread(self.ledger.renew, attempt, self.lease_s)
-            except Exception as exc:  # finished meanwhile, or Redis away: the next pass retries
-                logger.info("lease renewal of %s: %s", attempt, exc)
-
-        asyncio.get_running_loop().create_task(renew())
+        # Errors are the writer's (Redis away: resync renews every live attempt when it returns).
+        asyncio.get_running_loop().create_task(self.ledger.renew(attempt, self.lease_s))
 
     async def _ledger(self, op, attempt: str, *args, **kwargs) -> None:
-        """Record a ledger step; a Redis outage must not fail the request (the workers' own
-        timeouts still free their blocks), so errors are logged."""
+        """Record a ledger step; a Redis outage must not fail the request: the writer fails fast
+        while Redis is down and replays the step when it is back (``cluster/ledger_writer``)."""
         if self.ledger is None:
             return
-        try:
-            if op == "reserve":
-                await asyncio.to_thread(self.ledger.reserve, attempt, args[0], args[1], self.lease_s)
-            else:
-                await asyncio.to_thread(self.ledger.transition, attempt, op, **kwargs)
-        except InvalidTransitionError as exc:
-            # The reaper got there first (a dead worker's entries are freed at once): nothing to do.
-            logger.info("ledger %s for %s skipped: %s", op, attempt, exc)
-        except Exception as exc:
-            logger.warning("ledger %s for %s failed: %s", op, attempt, exc)
+        if op == "reserve":
+            await self.ledger.reserve(attempt, args[0], args[1], self.lease_s)
+        else:
+            await self.ledger.transition(attempt, op, **kwargs)
 
     def _finish(self, fin: Finished, req: GenerateRequest, emitted: list[int], started: float,
                 first_token_at: float | None, acc: dict) -> Finished:

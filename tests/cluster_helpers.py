@@ -32,7 +32,6 @@ from typing import Any
 import ray
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.config_io import apply_overrides, config_from_model
-from pdserve.cluster.ledger import KVLedger
 from pdserve.cluster.router_service import RouterService
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -84,9 +83,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 class ClusterHarness:
     def __init__(self, config: ClusterConfig, redis_url: str, *, reap_interval_s: float = 0.5) -> None:
         self.config = config
-        self.service = RouterService(config, redis_url=redis_url, reap_interval_s=reap_interval_s)
         # A namespace of its own: other services on the session's Redis keep their entries apart.
-        self.service.ledger = KVLedger(redis_url, namespace=f"t{uuid.uuid4().hex[:10]}")
+        self.service = RouterService(config, redis_url=redis_url, reap_interval_s=reap_interval_s,
+                                     redis_namespace=f"t{uuid.uuid4().hex[:10]}")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-service", daemon=True)
         self._started = False

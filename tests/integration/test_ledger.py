@@ -19,6 +19,7 @@ from pdserve.cluster.ledger import (
     Side,
 )
 from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.redis_supervisor import RedisSupervisor
 from pdserve.engine.errors import PdserveError
 
 pytestmark = pytest.mark.slow
@@ -259,3 +260,45 @@ def test_wrong_password_fails_fast_instead_of_retrying(redis_server: EmbeddedRed
         client.ping()
     assert time.monotonic() - t0 < 1.0
     client.close()
+
+
+def test_password_given_apart_from_the_url_is_used(redis_server: EmbeddedRedis) -> None:
+    """An external Redis is configured as ``url`` + ``password`` (k8s: PDSERVE_REDIS_PASSWORD);
+    the password must reach AUTH without ever being written into the URL."""
+    assert redis_server.password is not None and redis_server.password not in redis_server.address_url
+    client = connect(redis_server.address_url, password=redis_server.password)
+    try:
+        assert client.ping() is True
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="rediss://"):
+        connect(redis_server.address_url, ssl_ca_file="/nonexistent/ca.pem")
+
+
+def test_supervisor_restarts_a_killed_server_with_its_ledger(tmp_path) -> None:
+    """Crash (SIGKILL) -> the supervisor logs and starts it again on the same port -> the
+    ledger written before the crash is read back from the AOF -> work goes on."""
+    server = EmbeddedRedis(password="s3cret", data_dir=tmp_path / "redis", appendonly=True).start()
+    supervisor = RedisSupervisor(server, check_interval_s=0.1).start()
+    client = connect(server.url)
+    try:
+        ledger = KVLedger(client, "supervised")
+        drive_to(ledger, "r", S.TRANSFERRING)
+        time.sleep(1.2)  # appendfsync everysec: let the AOF reach the disk
+        port, pid = server.port, server.pid
+        os.kill(pid, 9)  # a crash, not a stop: nobody but the supervisor starts it again
+        deadline = time.monotonic() + 15
+        while supervisor.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervisor.restarts == 1 and server.is_running()
+        assert server.port == port and server.pid != pid
+        assert ledger.get("r").state is S.TRANSFERRING  # the ledger survived the crash
+        ledger.transition("r", S.LANDED)
+        ledger.transition("r", S.DECODING)
+        ledger.transition("r", S.FREED)
+        assert_nothing_leaked(ledger, "dec-0", "pre-0")
+    finally:
+        supervisor.stop()
+        client.close()
+        server.stop()
+    assert not server.is_running()
