@@ -310,7 +310,12 @@ def fetch_status() -> dict | None:
     st = read_state()
     if not st:
         return None
-    raw = state_redis_client().get(STATUS_KEY)
+    import redis
+
+    try:
+        raw = state_redis_client().get(STATUS_KEY)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # the head serves on without Redis
+        return {"state": st, "redis_unreachable": str(exc)}
     status = json.loads(raw) if raw else {}
     status["state"] = st
     return status
@@ -321,6 +326,14 @@ def format_status(status: dict) -> str:
     lines = [f"pdserve  model {st.get('model')}  HTTP {st.get('http')}  gRPC {st.get('grpc')}",
              f"uptime {status.get('uptime_s', 0):.0f} s  retries {status.get('retries', 0)}  "
              f"migrations {status.get('migrations', 0)}"]
+    if status.get("redis_unreachable"):
+        lines.append(f"Redis unreachable ({status['redis_unreachable']}): no live status; requests are "
+                     f"still served (see docs/operations.md, 'During a Redis outage')")
+    elif status.get("redis"):
+        r = status["redis"]
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.get("dropped", {}).items())) or "none"
+        lines.append(f"redis {'up' if r.get('up') else 'DOWN'}  outages {r.get('outages', 0)}  "
+                     f"writes dropped: {dropped}")
     for role, p in status.get("pools", {}).items():
         lines.append(f"pool {role:8s} replicas {p['replicas']}  pending {p['pending']}  draining {len(p['draining'])}")
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} "
