@@ -273,6 +273,12 @@ def test_password_given_apart_from_the_url_is_used(redis_server: EmbeddedRedis) 
         client.close()
     with pytest.raises(ValueError, match="rediss://"):
         connect(redis_server.address_url, ssl_ca_file="/nonexistent/ca.pem")
+    # redis.tls_ca_file reaches the TLS connections (no server here: nothing is dialled).
+    tls = connect("rediss://127.0.0.1:6380/1", password="pw", ssl_ca_file="/etc/pdserve/ca.pem")
+    kwargs = tls.connection_pool.connection_kwargs
+    assert tls.connection_pool.connection_class is redis.SSLConnection
+    assert kwargs["ssl_ca_certs"] == "/etc/pdserve/ca.pem" and kwargs["ssl_cert_reqs"] == "required"
+    assert kwargs["password"] == "pw"
 
 
 def test_supervisor_restarts_a_killed_server_with_its_ledger(tmp_path) -> None:

@@ -16,22 +16,32 @@ Life cycle:
    reaper runs, and at the end no worker holds a block and no ledger entry is live.
 
 Figures (requests, failures, outage, latencies) are printed for docs/reliability.md.
+
+The second test does the same to the embedded server of a head started by ``pdserve up``: it is
+restarted by the head's supervisor, with its random password, which no argv or log shows.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import stat
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from cluster_helpers import ClusterHarness, cluster_config, wait_until
 from pdserve.cluster.redis_server import EmbeddedRedis, connect
 from pdserve.cluster.request_log import RequestLog
+from scripts import procs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -141,3 +151,74 @@ def test_a_30s_redis_outage_under_load_fails_no_request_and_leaks_nothing(tiny_m
     finally:
         h.stop()
         server.stop()
+
+
+def _pdserve(state_dir: Path, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "pdserve"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "pdserve.cli"]
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(state_dir), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_ADDRESS="127.0.0.1:9")
+    env.pop("PDSERVE_REDIS_PASSWORD", None)
+    return subprocess.run([*argv, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_the_heads_embedded_redis_has_a_secret_password_and_is_restarted_when_killed(tiny_model, tmp_path):
+    """``pdserve up`` with no Redis configured: a random password (in a 0600 file, in no argv,
+    not in state.json) -> SIGKILL the server -> a request right away still succeeds -> the head
+    restarts the server (logged) -> ``pdserve status`` works again -> ``down`` leaves nothing."""
+    settings = {"router.http_port": 0, "router.grpc_port": 0, "ray.include_dashboard": "false",
+                "ray.num_cpus": 4, "planner.enabled": "false",
+                "router.disaggregation.local_prefill_max_tokens": 0,
+                **{f"{role}.engine.{k}": v for role in ("prefill", "decode")
+                   for k, v in (("kv_cache_memory_gb", 0.03), ("num_threads", 1))}}
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    up = _pdserve(tmp_path, "up", "--model", str(tiny_model), *sets, "--timeout", "240", timeout_s=270)
+    log_path = tmp_path / "head.log"
+    assert up.returncode == 0, up.stdout + up.stderr + log_path.read_text(errors="replace")[-3000:]
+    state = json.loads((tmp_path / "state.json").read_text())
+    tree = procs.descendants(state["pid"])
+    try:
+        secret = tmp_path / "redis-password"
+        password = secret.read_text()
+        assert len(password) >= 24 and stat.S_IMODE(secret.stat().st_mode) == 0o600
+        assert password not in (tmp_path / "state.json").read_text() and "@" not in state["redis_url"]
+        servers = [pid for pid, _ in tree if "-server" in _cmdline(pid) and ("valkey" in _cmdline(pid)
+                                                                            or "redis" in _cmdline(pid))]
+        assert len(servers) == 1, procs.describe(tree)
+        assert all(password not in _cmdline(pid) for pid, _ in tree | {(state["pid"], 0)})
+
+        body = {"model": state["model"], "prompt": PROMPTS[0], "max_tokens": GEN, "temperature": 0,
+                "ignore_eos": True}
+
+        def generate() -> dict:
+            req = urllib.request.Request(state["http"] + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return json.loads(resp.read())
+
+        before = generate()["pdserve"]["token_ids"]
+        os.kill(servers[0], signal.SIGKILL)
+        assert generate()["pdserve"]["token_ids"] == before  # served while Redis is being restarted
+        wait_until(lambda: "embedded Redis restarted" in log_path.read_text(errors="replace"), 20.0,
+                   "the head restarted its Redis")
+        assert password not in log_path.read_text(errors="replace")
+
+        def status_ok() -> bool:
+            out = _pdserve(tmp_path, "status", "--json")
+            return out.returncode == 0 and bool(json.loads(out.stdout).get("workers"))
+
+        wait_until(status_ok, 20.0, "pdserve status after the restart", 0.5)
+        assert generate()["pdserve"]["token_ids"] == before
+    finally:
+        down = _pdserve(tmp_path, "down", timeout_s=150)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = procs.wait_gone(tree, 20.0)
+    assert not left, procs.describe(left)
+    assert not secret.exists()
