@@ -1,6 +1,7 @@
 """``pdserve bench engine``: the engine against its rooflines and against transformers, in one run.
 
     pdserve bench engine --json engine.json [--quick] [--threads 2] [--dtype float32|bfloat16|both]
+                         [--attention auto|native|sdpa|both]
 
 1. Hardware: copy bandwidth and matmul GFLOP/s (``bench/hw.py``).
 2. ``medium`` model, batch-1 decode through ``LLMEngine``: tokens/s over the roofline
@@ -18,6 +19,10 @@ while all of them are still running; each figure is ``batch / median step time``
 the noise of a shared machine. ``runner_tok_s`` times ``ModelRunner.execute`` inside the same
 steps, so ``engine_overhead_frac`` is the share of a step spent in scheduling, sampling and
 bookkeeping.
+
+``--attention both``: the small model's decode runs on the C++ paged attention ("native") and, in
+a second engine stepped in turn with it on the same prompts, on gather + SDPA; each decode row
+then carries ``sdpa_tok_s`` and ``native_over_sdpa`` (the headline has one per batch).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Settings:
     hw_repeats: int = 5
     hf: bool = True
     quick: bool = False
+    attention: str = "auto"   # engine.attention_backend, or "both": native and sdpa side by side
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -66,24 +72,29 @@ class Settings:
         bad = [d for d in self.dtypes if d not in _DTYPES]
         if bad or not self.dtypes:
             raise ValueError(f"dtypes must be float32 and/or bfloat16, got {self.dtypes}")
+        if self.attention not in ("auto", "native", "sdpa", "both"):
+            raise ValueError(f"attention must be auto, native, sdpa or both, got {self.attention!r}")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
     if args.quick:
         return Settings(dtypes, args.threads, prompt_len=32, decode_tokens=8, warmup_steps=1, prefill_repeats=1,
-                        buffer_bytes=512 << 20, hw_repeats=3, hf=not args.no_hf, quick=True)
-    return Settings(dtypes, args.threads, hf=not args.no_hf)
+                        buffer_bytes=512 << 20, hw_repeats=3, hf=not args.no_hf, quick=True,
+                        attention=args.attention)
+    return Settings(dtypes, args.threads, hf=not args.no_hf, attention=args.attention)
 
 
 # ------------------------------------------------------------------------------- pdserve engine
-def _make_engine(model_dir: Path, dtype: str, threads: int, cost: ModelCost, max_tokens: int):
+def _make_engine(model_dir: Path, dtype: str, threads: int, cost: ModelCost, max_tokens: int,
+                 attention: str = "auto"):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     kv_gb = max(0.05, 1.1 * max_tokens * cost.kv_bytes_per_token(dtype) / (1 << 30))
     return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, kv_cache_memory_gb=kv_gb, max_num_seqs=64,
-                                  max_num_batched_tokens=2048, num_threads=threads))
+                                  max_num_batched_tokens=2048, num_threads=threads,
+                                  attention_backend="native" if attention == "both" else attention))
 
 
 class EngineDecode:
@@ -232,7 +243,7 @@ def bench_medium(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, bw_
     import torch
 
     prompts = _prompts(torch.Generator().manual_seed(1), _vocab(model_dir), 1, st.prompt_len)
-    engine = _make_engine(model_dir, dtype, st.threads, cost, st.prompt_len + st.decode_tokens + 64)
+    engine = _make_engine(model_dir, dtype, st.threads, cost, st.prompt_len + st.decode_tokens + 64, st.attention)
     model = load_hf(model_dir, dtype) if st.hf else None
     wbytes = cost.weight_bytes_per_token(dtype)
     weights_like = torch.ones(wbytes // 4)   # read once per step: the roofline, under the same load
@@ -252,12 +263,24 @@ def bench_small(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, peak
     gen = torch.Generator().manual_seed(2)
     vocab = _vocab(model_dir)
     max_tokens = max(st.batches) * (st.prompt_len + st.decode_tokens + st.warmup_steps + 64) + max(st.prefill_lens)
-    engine = _make_engine(model_dir, dtype, st.threads, cost, max_tokens)
+    engine = _make_engine(model_dir, dtype, st.threads, cost, max_tokens, st.attention)
+    sdpa = _make_engine(model_dir, dtype, st.threads, cost, max_tokens, "sdpa") if st.attention == "both" else None
     model = load_hf(model_dir, dtype) if st.hf else None
     decode = []
     for b in st.batches:
-        row = decode_side_by_side(engine, model, _prompts(gen, vocab, b, st.prompt_len),
-                                  st.decode_tokens, st.warmup_steps)
+        prompts = _prompts(gen, vocab, b, st.prompt_len)
+        # the sdpa engine steps as decode_side_by_side's probe: interleaved, under the same load
+        alt = EngineDecode(sdpa, prompts, st.warmup_steps + st.decode_tokens) if sdpa else None
+        try:
+            row = decode_side_by_side(engine, model, prompts, st.decode_tokens, st.warmup_steps,
+                                      probe=alt.step if alt else None)
+        finally:
+            if alt:
+                alt.close()
+        if alt:
+            row["sdpa_step_ms"] = row.pop("probe_ms")
+            row["sdpa_tok_s"] = b * 1e3 / row["sdpa_step_ms"]
+            row["native_over_sdpa"] = row["tok_s"] / row["sdpa_tok_s"]
         logger.info("decode batch %d: %s", b, row)
         decode.append(row)
     prefill = []
@@ -276,9 +299,10 @@ def bench_small(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, peak
             row.update(hf_seconds=min(ref), hf_tok_s=n / min(ref), vs_hf=min(ref) / t)
         logger.info("prefill %d: %s", n, row)
         prefill.append(row)
-    del engine, model
+    backend = engine.runner.attention_backend
+    del engine, sdpa, model
     gc.collect()
-    return {"prompt_len": st.prompt_len, "decode_tokens": st.decode_tokens,
+    return {"attention_backend": backend, "prompt_len": st.prompt_len, "decode_tokens": st.decode_tokens,
             "prefill_repeats": st.prefill_repeats, "decode": decode, "prefill": prefill}
 
 
@@ -298,6 +322,8 @@ def _headline(medium: dict, small: dict) -> dict:
     }
     for b, r in by_batch.items():
         out[f"vs_hf_decode_batch{b}"] = r.get("vs_hf")
+        if "native_over_sdpa" in r:
+            out[f"native_over_sdpa_decode_batch{b}"] = r["native_over_sdpa"]
     for r in small["prefill"]:
         out[f"vs_hf_prefill_{r['tokens']}"] = r.get("vs_hf")
     return out
@@ -332,6 +358,7 @@ def run_bench(st: Settings) -> dict:
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "cpu_model": hw.cpu_model(), "threads": st.threads, "quick": st.quick,
         "dtype": st.dtypes[0], "dtypes": list(st.dtypes),
+        "attention": st.attention, "attention_backend": primary["small"]["attention_backend"],
         **{k: v for k, v in primary.items() if not isinstance(v, dict) and k != "dtype"},
         "hw": figs.to_dict(), "models": {k: c.to_dict() for k, c in costs.items()},
         "roofline_note": "weight bytes = all parameters except the embedding table (gathered, not "
@@ -348,6 +375,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="float32",
                    help="model dtype (default: float32)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    p.add_argument("--attention", choices=("auto", "native", "sdpa", "both"), default="auto",
+                   help="decode attention backend; both: native and sdpa side by side (default: auto)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -119,7 +119,8 @@ def format_table(result: dict) -> str:
             f"decode_roofline_ratio_interleaved {_fmt(r['decode_roofline_ratio_interleaved'], '.2f')}"
         )
         s = r["small"]
-        lines.append(f"small decode (prompt {s['prompt_len']}, {s['decode_tokens']} tokens, median step):")
+        lines.append(f"small decode (prompt {s['prompt_len']}, {s['decode_tokens']} tokens, median step, "
+                     f"{s.get('attention_backend', 'sdpa')} attention):")
         lines.append(f"  {'batch':>5} {'pdserve':>9} {'runner':>9} {'overhead':>8} {'HF':>9} {'vs HF':>6}  (tok/s)")
         for row in s["decode"]:
             lines.append(
@@ -127,6 +128,9 @@ def format_table(result: dict) -> str:
                 f"{_fmt(row['engine_overhead_frac'] * 100, '.0f') + '%':>8} {_fmt(row.get('hf_tok_s')):>9} "
                 f"{_fmt(row.get('vs_hf'), '.2f'):>6}"
             )
+        if any("native_over_sdpa" in row for row in s["decode"]):
+            lines.append("  native attention over sdpa (same prompts, stepped in turn): " + ", ".join(
+                f"batch {row['batch']} {row['native_over_sdpa']:.2f}x" for row in s["decode"]))
         lines.append(f"small prefill (one prompt, best of {s['prefill_repeats']}):")
         lines.append(f"  {'tokens':>6} {'pdserve':>9} {'HF':>9} {'vs HF':>6} {'GFLOP/s':>8} {'of peak':>7}")
         for row in s["prefill"]:

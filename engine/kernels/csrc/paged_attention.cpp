@@ -8,11 +8,22 @@
 //
 // One task per (sequence, kv head): the task's `group` queries share every K/V row it reads, so
 // grouped-query attention never repeats K/V. Scores and the weighted sum of V accumulate in
-// float32; the output is rounded to the cache dtype once. Inner loops run over head_dim with
-// independent lanes so that the compiler vectorises them without reassociating a reduction.
+// float32; the output is rounded to the cache dtype once. Inner loops are at::vec vectors along
+// head_dim (dot products, weighted sums of V) and along positions (the softmax's exp).
+
+// at::vec, compiled for the host (-march=native): the widest instruction set the compiler enables.
+// CPU_CAPABILITY names the inline namespace, kept apart from libtorch's own copies of these inlines.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#define CPU_CAPABILITY pdserve_native
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -24,29 +35,83 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kW = fVec::size();
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-template <typename T>
-inline float dot(const float* __restrict q, const T* __restrict k, int64_t dim) {
-  float acc[kLanes] = {0.f};
-  int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += q[d + j] * to_float(k[d + j]);
-  }
-  float tail = 0.f;
-  for (; d < dim; ++d) tail += q[d] * to_float(k[d]);
-  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
-  }
-  return acc[0] + tail;
+inline fVec load(const float* p) { return fVec::loadu(p); }
+inline fVec load(const c10::BFloat16* p) {
+  fVec out;
+  at::vec::load_to_float(p, out);
+  return out;
 }
 
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+// (q . k) for `group` queries (rows of qf, head_dim apart) against one K row; out[g * stride]
 template <typename T>
-inline void axpy(float w, const T* __restrict v, float* __restrict out, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) out[d] += w * to_float(v[d]);
+inline void dots(const float* __restrict qf, const T* __restrict k, int64_t dim, int64_t group, float scale,
+                 float* __restrict out, int64_t stride) {
+  const int64_t full = dim - dim % kW;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* q = qf + g * dim;
+    fVec acc(0.f);
+    for (int64_t d = 0; d < full; d += kW) acc = at::vec::fmadd(fVec::loadu(q + d), load(k + d), acc);
+    float sum = hsum(acc);
+    for (int64_t d = full; d < dim; ++d) sum += q[d] * to_float(k[d]);
+    out[g * stride] = sum * scale;
+  }
+}
+
+// acc[g] += w[g * stride] * v for `group` accumulators (head_dim apart)
+template <typename T>
+inline void axpys(const float* __restrict w, int64_t stride, const T* __restrict v, int64_t dim, int64_t group,
+                  float* __restrict acc) {
+  const int64_t full = dim - dim % kW;
+  for (int64_t d = 0; d < full; d += kW) {
+    const fVec vv = load(v + d);
+    for (int64_t g = 0; g < group; ++g) {
+      float* a = acc + g * dim + d;
+      at::vec::fmadd(fVec(w[g * stride]), vv, fVec::loadu(a)).store(a);
+    }
+  }
+  for (int64_t d = full; d < dim; ++d) {
+    const float x = to_float(v[d]);
+    for (int64_t g = 0; g < group; ++g) acc[g * dim + d] += w[g * stride] * x;
+  }
+}
+
+// x[i] = exp(x[i] - mx) (the softmax kernel of torch's CPU flash attention uses the same exp_u20);
+// returns their sum
+inline float exp_sum(float* x, int64_t n, float mx) {
+  const int64_t full = n - n % kW;
+  fVec sum(0.f);
+  const fVec m(mx);
+  for (int64_t i = 0; i < full; i += kW) {
+    const fVec e = (fVec::loadu(x + i) - m).exp_u20();
+    e.store(x + i);
+    sum = sum + e;
+  }
+  float total = hsum(sum);
+  for (int64_t i = full; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    total += x[i];
+  }
+  return total;
+}
+
+// Ask for one head's rows of a block ahead of use: the rows of a head are kv_heads * head_dim apart,
+// a stride the hardware prefetcher follows poorly, and decode attention waits on memory.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(first + r * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  }
 }
 
 struct Shape {
@@ -56,56 +121,61 @@ struct Shape {
   int64_t block_stride() const { return layers * 2 * slab(); }      // one whole block
 };
 
+// One task attends `hpt` consecutive kv heads of one sequence (their `hpt * group` queries): with
+// every kv head in one task a sequence's K (and V) rows are read as whole contiguous slabs.
 template <typename T>
 void decode(const T* q, const T* cache, int64_t layer, const int32_t* tables, const int32_t* lens,
             float scale, T* out, int64_t seqs, const Shape& s) {
   const int64_t dim = s.head_dim, group = s.group, heads = s.kv_heads * group;
   const int64_t k_off = layer * 2 * s.slab(), v_off = k_off + s.slab();
-  at::parallel_for(0, seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+  // whole sequences per task when there are enough of them to keep every thread busy
+  const int64_t hpt = seqs >= 2 * at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t tasks_per_seq = s.kv_heads / hpt, qn = hpt * group, width = hpt * dim;
+  at::parallel_for(0, seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(qn * dim), acc(qn * dim), inv(qn), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kv_heads, h = task % s.kv_heads;
-      const int64_t n = lens[b];
+      const int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * hpt;
+      const int64_t n = lens[b], nblocks = (n + s.block_size - 1) / s.block_size;
       const int32_t* table = tables + b * s.max_blocks;
-      scores.resize(group * n);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q + b * s.q_row_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]);
-      }
-      // scores[g * n + p] = (q_g . k_p) * scale
-      for (int64_t p0 = 0; p0 < n; p0 += s.block_size) {
-        const T* kb = cache + table[p0 / s.block_size] * s.block_stride() + k_off + h * dim;
-        const int64_t m = std::min(s.block_size, n - p0);
+      auto rows = [&](int64_t i, int64_t off) { return cache + table[i] * s.block_stride() + off + h0 * dim; };
+      scores.resize(qn * n);
+      const T* src = q + b * s.q_row_stride + h0 * group * dim;   // the task's queries are contiguous
+      for (int64_t j = 0; j < qn * dim; ++j) qf[j] = to_float(src[j]);
+      // scores[j * n + p] = (q_j . k_p) * scale
+      for (int64_t i = 0; i < nblocks; ++i) {
+        const T* kb = rows(i, k_off);
+        const int64_t p0 = i * s.block_size, m = std::min(s.block_size, n - p0);
+        // the next block's K, or the first block's V once the last K block is reached
+        prefetch_rows(i + 1 < nblocks ? rows(i + 1, k_off) : rows(0, v_off), s.block_size, s.row(), width);
         for (int64_t o = 0; o < m; ++o) {
-          const T* k = kb + o * s.row();
-          for (int64_t g = 0; g < group; ++g) scores[g * n + p0 + o] = dot(&qf[g * dim], k, dim) * scale;
+          for (int64_t hh = 0; hh < hpt; ++hh) {
+            dots(&qf[hh * group * dim], kb + o * s.row() + hh * dim, dim, group, scale,
+                 &scores[hh * group * n + p0 + o], n);
+          }
         }
       }
       // softmax numerators in place; the division by their sum comes once, at the end
-      std::vector<float> inv(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = &scores[g * n];
+      for (int64_t j = 0; j < qn; ++j) {
+        float* sc = &scores[j * n];
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
-        float sum = 0.f;
-        for (int64_t p = 0; p < n; ++p) {
-          sc[p] = std::exp(sc[p] - mx);
-          sum += sc[p];
-        }
-        inv[g] = 1.f / sum;
+        inv[j] = 1.f / exp_sum(sc, n, mx);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0; p0 < n; p0 += s.block_size) {
-        const T* vb = cache + table[p0 / s.block_size] * s.block_stride() + v_off + h * dim;
-        const int64_t m = std::min(s.block_size, n - p0);
+      for (int64_t i = 0; i < nblocks; ++i) {
+        const T* vb = rows(i, v_off);
+        const int64_t p0 = i * s.block_size, m = std::min(s.block_size, n - p0);
+        if (i + 1 < nblocks) prefetch_rows(rows(i + 1, v_off), s.block_size, s.row(), width);
         for (int64_t o = 0; o < m; ++o) {
-          const T* v = vb + o * s.row();
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + p0 + o], v, &acc[g * dim], dim);
+          for (int64_t hh = 0; hh < hpt; ++hh) {
+            axpys(&scores[hh * group * n + p0 + o], n, vb + o * s.row() + hh * dim, dim, group,
+                  &acc[hh * group * dim]);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out + b * heads * dim + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv[g]);
+      T* dst = out + b * heads * dim + h0 * group * dim;
+      for (int64_t j = 0; j < qn; ++j) {
+        for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = static_cast<T>(acc[j * dim + d] * inv[j]);
       }
     }
   });
