@@ -440,3 +440,39 @@ def test_dockerfile_builds_pdserve_on_python_slim():
     ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     assert {".git", ".venv", "tests/"} <= ignored
     assert not {"README.md", "pyproject.toml"} & ignored  # `pip install .` needs both
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every container spec in an object, wherever it sits (pod templates, RayCluster groups)."""
+    found: list[dict[str, Any]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("containers", "initContainers") and isinstance(value, list):
+                    found.extend(c for c in value if isinstance(c, dict))
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(obj)
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_secret_reaches_a_command_line(rendered, overlay):
+    """Kubernetes expands ``$(VAR)`` in command/args into argv, where ``ps`` shows it: a variable
+    taken from a Secret may be read by the program (``$VAR`` in a shell script), never expanded
+    there."""
+    checked = 0
+    for obj in rendered[overlay]:
+        for c in _containers(obj):
+            secret_vars = [e["name"] for e in c.get("env", [])
+                           if (e.get("valueFrom") or {}).get("secretKeyRef")]
+            argv = " ".join(str(a) for a in c.get("command", []) + c.get("args", []))
+            for name in secret_vars:
+                checked += 1
+                assert f"$({name})" not in argv, (
+                    f"{overlay}: container {c.get('name')!r} expands secret {name} into argv")
+    assert checked > 0  # the overlays do carry secrets; the test would be vacuous otherwise
