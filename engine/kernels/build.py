@@ -26,7 +26,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "pdserve_kernels.so"
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "gemv.cpp")
+HEADERS = ("vec_host.h",)
 _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-fno-math-errno")
 
@@ -53,7 +54,7 @@ def cache_key() -> str:
     import torch
 
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((_CSRC / name).read_bytes())
     h.update(" ".join(_FLAGS).encode())
     h.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|{sys.version_info[:2]}".encode())

@@ -6,25 +6,16 @@
 // tables:  [seqs, max_blocks] int32 block ids; lens: [seqs] int32 positions to attend (>= 1)
 // returns: [seqs, heads * head_dim] of q's dtype
 //
-// One task per (sequence, kv head): the task's `group` queries share every K/V row it reads, so
-// grouped-query attention never repeats K/V. Scores and the weighted sum of V accumulate in
+// One task per (sequence, kv head), or per sequence when the batch has enough of them to fill the
+// threads: a task's queries share every K/V row it reads, so grouped-query attention never
+// repeats K/V. Scores and the weighted sum of V accumulate in
 // float32; the output is rounded to the cache dtype once. Inner loops are at::vec vectors along
 // head_dim (dot products, weighted sums of V) and along positions (the softmax's exp).
 
-// at::vec, compiled for the host (-march=native): the widest instruction set the compiler enables.
-// CPU_CAPABILITY names the inline namespace, kept apart from libtorch's own copies of these inlines.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#define CPU_CAPABILITY pdserve_native
+#include "vec_host.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,17 +26,7 @@
 
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-constexpr int64_t kW = fVec::size();
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline fVec load(const float* p) { return fVec::loadu(p); }
-inline fVec load(const c10::BFloat16* p) {
-  fVec out;
-  at::vec::load_to_float(p, out);
-  return out;
-}
+using namespace pdserve_vec;
 
 inline float hsum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
