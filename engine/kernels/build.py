@@ -3,11 +3,13 @@
 1. The sources under ``csrc/`` are compiled with the host compiler (``$CXX`` or ``g++``) against
    torch's headers and libraries into one shared library that registers ``torch.ops.pdserve.*``.
 2. The library lands in ``<sys.prefix>/lib/pdserve-kernels/<key>/`` (inside the venv, never in the
-   repository; ``PDSERVE_KERNEL_DIR`` overrides the root). ``key`` hashes the sources, the compiler flags, torch's version and ABI, and the
-   CPU (model and flags): it is built with ``-march=native``, so another host rebuilds.
+   repository; ``PDSERVE_KERNEL_DIR`` overrides the root). ``key`` hashes the sources, the compiler
+   flags, torch's version and ABI, and the CPU (model and flags): it is built with
+   ``-march=native``, so another host rebuilds.
 3. The file is written under a temporary name and renamed, so a concurrent loader never sees half
-   a library; libraries of other keys are removed. A build that fails (or a host without a compiler) logs one line and exits 0: the
-   engine falls back to its torch attention path (``kernels.load`` says why).
+   a library; libraries of other keys are removed. A build that fails (or a host without a
+   compiler) logs one line and exits 0: the engine falls back to its torch attention path
+   (``kernels.load`` says why).
 """
 
 from __future__ import annotations
