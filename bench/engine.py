@@ -249,9 +249,10 @@ def bench_medium(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, bw_
     weights_like = torch.ones(wbytes // 4)   # read once per step: the roofline, under the same load
     row = decode_side_by_side(engine, model, prompts, st.decode_tokens, st.warmup_steps,
                               probe=weights_like.sum)
+    runner = engine.runner.describe()   # dtype, threads, the matmul kernels chosen on this machine
     del engine, model, weights_like
     gc.collect()
-    return {"decode_tok_s": row["tok_s"], "hf_decode_tok_s": row.get("hf_tok_s"), "decode": row,
+    return {"runner": runner, "decode_tok_s": row["tok_s"], "hf_decode_tok_s": row.get("hf_tok_s"), "decode": row,
             "weight_bytes_per_token": wbytes, "kv_bytes_per_token": cost.kv_bytes_per_token(dtype),
             "roofline_tok_s": bw_gbs * 1e9 / wbytes,
             "roofline_interleaved_tok_s": 1e3 / row["probe_ms"]}
@@ -299,10 +300,10 @@ def bench_small(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, peak
             row.update(hf_seconds=min(ref), hf_tok_s=n / min(ref), vs_hf=min(ref) / t)
         logger.info("prefill %d: %s", n, row)
         prefill.append(row)
-    backend = engine.runner.attention_backend
+    backend, runner = engine.runner.attention_backend, engine.runner.describe()
     del engine, sdpa, model
     gc.collect()
-    return {"attention_backend": backend, "prompt_len": st.prompt_len, "decode_tokens": st.decode_tokens,
+    return {"attention_backend": backend, "runner": runner, "prompt_len": st.prompt_len, "decode_tokens": st.decode_tokens,
             "prefill_repeats": st.prefill_repeats, "decode": decode, "prefill": prefill}
 
 
@@ -357,7 +358,7 @@ def run_bench(st: Settings) -> dict:
         "command": "pdserve " + " ".join(sys.argv[1:]),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "cpu_model": hw.cpu_model(), "threads": st.threads, "quick": st.quick,
-        "dtype": st.dtypes[0], "dtypes": list(st.dtypes),
+        "dtype": st.dtypes[0], "dtypes": list(st.dtypes), "dtype_auto": probe_cpu_bf16_verdict(),
         "attention": st.attention, "attention_backend": primary["small"]["attention_backend"],
         **{k: v for k, v in primary.items() if not isinstance(v, dict) and k != "dtype"},
         "hw": figs.to_dict(), "models": {k: c.to_dict() for k, c in costs.items()},
@@ -366,6 +367,14 @@ def run_bench(st: Settings) -> dict:
         "cpu_count": os.cpu_count(), "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0],
         "by_dtype": by_dtype, "wall_s": time.perf_counter() - t_start,
     }
+
+
+def probe_cpu_bf16_verdict() -> str:
+    """What ``model.dtype: auto`` resolves to here, and the measurement behind it."""
+    from pdserve.engine.dtype_probe import probe_cpu_bf16
+
+    native, why = probe_cpu_bf16()
+    return f"{'bfloat16' if native else 'float32'} ({why})"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -383,5 +392,11 @@ def run(args: argparse.Namespace) -> int:
     result = run_and_save("engine", args, settings_from_args, run_bench, format_table)
     if result is None:
         return 2
+    print(f"\ndtype auto on this machine: {result['dtype_auto']}")
+    for dtype, r in result["by_dtype"].items():
+        for name in ("medium", "small"):
+            k = r[name]["runner"]
+            print(f"{dtype} {name}: {k['num_threads']} threads, matmuls "
+                  f"{' '.join(f'{op}={b}' for op, b in k['kernels'].items())} ({k['kernels_source']})")
     print(f"\nwrote {args.json} in {result['wall_s']:.0f}s")
     return 0

@@ -71,7 +71,10 @@ class ModelSettings(_Settings):
                        "tokenizer). Relative paths are resolved against the config file's directory.")
     served_name: str | None = Field(None, validate_default=True, min_length=1, description=
                                     "Model name clients send in requests; default: the directory's name.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight and KV-cache dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Weight and KV-cache dtype; "
+                                                          "'auto': bfloat16 where the worker's CPU computes it "
+                                                          "natively (a measured probe at start), float32 "
+                                                          "otherwise; bfloat16 on CUDA.")
     max_model_len: int | None = Field(None, ge=2, description="Longest sequence (prompt + output) "
                                       "accepted; default: the checkpoint's max_position_embeddings.")
 
@@ -99,7 +102,12 @@ class EngineSettings(_Settings):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts into chunks that share "
                                          "steps with decoding sequences.")
     num_threads: int | None = Field(None, ge=1, description="Torch intra-op threads per replica; "
-                                    "default: torch's choice (best set to num_cpus).")
+                                    "default: the pool's num_cpus rounded down (the worker is pinned to "
+                                    "that many cores of its own while its host has them free).")
+    linear_backend: Literal["auto", "dense", "packed"] = Field(
+        "auto", description="Matmul kernels: 'auto' times dense (torch mm/addmm) and oneDNN-packed "
+        "linears on the model's shapes at start and keeps the fastest that agrees with float32, per "
+        "call, cached per CPU/dtype/shape in ~/.cache/pdserve/kernels.json; 'dense'/'packed' force one.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs; 'cuda' needs "
                                            "num_gpus > 0 in the pool.")
     attention_backend: Literal["auto", "native", "sdpa"] = Field(
@@ -130,7 +138,10 @@ class PoolSettings(_Settings):
                                          "Replicas started with the cluster; default: min_replicas.")
     max_replicas: int | None = Field(None, ge=0, validate_default=True, description="Most replicas "
                                      "the planner may run; default: initial_replicas (a fixed-size pool).")
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica.")
+    num_cpus: float | None = Field(None, ge=0, description="Ray CPUs reserved per replica (the worker "
+                                   "computes on that many threads, rounded down). Default: on a local Ray "
+                                   "the host's cores divided between the initial replicas of both pools "
+                                   "(all of them for a single decode worker); 1 on an existing cluster.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per replica (fractions allowed).")
     accelerator_type: str | None = Field(None, min_length=1, description="Ray accelerator type the "
                                          "replica must be placed on (e.g. 'H100'); default: any.")
@@ -191,7 +202,7 @@ class PoolSettings(_Settings):
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
-            attention_backend=e.attention_backend)
+            attention_backend=e.attention_backend, linear_backend=e.linear_backend)
 
 
 class DisaggregationSettings(_Settings):
@@ -383,6 +394,20 @@ class ClusterConfig(_Settings):
             raise ConfigError(problems)
 
     def path_problems(self) -> list[str]:
+    def replica_cpus(self, role: object) -> float:
+        """Ray CPUs of one replica of a pool: its ``num_cpus``, or by default a local Ray's host
+        cores divided between the replicas that start (a prefill pool of 0 replicas, or
+        disaggregation 'never', leaves them all to decode); 1 when joining an existing cluster."""
+        pool = self.pool(role)
+        if pool.num_cpus is not None:
+            return pool.num_cpus
+        if self.ray.address:
+            return 1.0
+        prefill_n = 0 if self.router.disaggregation.mode == "never" else self.prefill.initial_replicas or 0
+        decode_n = self.decode.initial_replicas or 1
+        cores = min(self.ray.num_cpus or 1 << 20, len(os.sched_getaffinity(0)))
+        return float(max(1, cores // (prefill_n + decode_n)))
+
         """What is wrong with the files this config names, on this machine ([] = nothing)."""
         problems = []
         if not self.model.path.is_dir():

@@ -337,13 +337,28 @@ def format_status(status: dict) -> str:
     for role, p in status.get("pools", {}).items():
         lines.append(f"pool {role:8s} replicas {p['replicas']}  pending {p['pending']}  draining {len(p['draining'])}")
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} "
-                 f"{'hit':>6s}  node")
+                 f"{'hit':>6s} {'thr':>3s} {'cores':9s} {'dtype':8s} node")
     for w in status.get("workers", []):
         state = ("dead" if not w["alive"] else "silent" if not w.get("responsive", True)
                  else "draining" if w["draining"] else "up")
         lines.append(f"{w['worker_id']:24s} {w['role']:8s} {state:9s} {w['kv_usage'] * 100:5.1f}% {w['running']:4d} "
-                     f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}%  "
+                     f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}% "
+                     f"{w.get('num_threads', '?')!s:>3s} {_cores(w.get('cores')):9s} {w.get('dtype', '?'):8s} "
                      f"{w.get('node_ip', '')} {w.get('node_id', '')[:8]}")
     for d in status.get("planner", []):
         lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
     return "\n".join(lines)
+def _cores(cores: list[int] | None) -> str:
+    """"0-3" / "0,2" for pinned cores, "unpinned" for none."""
+    if cores is None:
+        return "?"
+    if not cores:
+        return "unpinned"
+    if cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 2:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+        if w.get("kernels"):
+            lines.append(f"{'':24s} matmuls {' '.join(f'{op}={b}' for op, b in w['kernels'].items())}  "
+                         f"attention {w.get('attention_backend', '?')}")

@@ -73,7 +73,7 @@ class PoolManager:
         handle: WorkerHandle | None = None
         try:
             handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
-                                  num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                                  num_cpus=self.config.replica_cpus(role), num_gpus=settings.num_gpus,
                                   resources=settings.resources, namespace=self.namespace,
                                   detached=self.detached,
                                   transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s)
@@ -128,7 +128,7 @@ class PoolManager:
         bundles = []
         for role, record in self.pools.items():
             s = self.config.pool(role)
-            bundle = {"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
+            bundle = {"CPU": self.config.replica_cpus(role), **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
             bundles += [bundle] * record.pending
         try:
             from ray.autoscaler.sdk import request_resources

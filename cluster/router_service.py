@@ -306,6 +306,8 @@ class RouterService:
                             "node_id": v.stats.get("node_id", ""),
                             "kv_usage": 1.0 - v.num_free_blocks / max(1, v.num_blocks),
                             "running": v.num_running, "waiting": v.num_waiting,
+                            **{k: v.stats[k] for k in ("num_threads", "cores", "pinning", "dtype", "kernels",
+                                                       "linear_backend", "attention_backend") if k in v.stats},
                             "prefix_hit_rate": v.stats.get("prefix_hit_rate", 0.0),
                             "generated_tokens": v.stats.get("generated_tokens", 0),
                             "tokens_per_s": self._tokens_per_s(wid, v.stats),

@@ -28,13 +28,14 @@ class WorkerHandle:
 
 
 def _actor_class(role: str) -> type:
-    """The worker service class of a role, with Ray metrics (see ``cluster/metered.py``)."""
-    from pdserve.cluster.metered import MeteredDecodeWorker, MeteredPrefillWorker
+    """The worker service class of a role, with Ray metrics (see ``cluster/metered.py``), pinned
+    to cores of its own (``cluster/pinned_workers.py``)."""
+    from pdserve.cluster.pinned_workers import PinnedDecodeWorker, PinnedPrefillWorker
 
     if role == "prefill":
-        return MeteredPrefillWorker
+        return PinnedPrefillWorker
     if role == "decode":
-        return MeteredDecodeWorker
+        return PinnedDecodeWorker
     raise ValueError(f"unknown worker role {role!r}")
 
 
@@ -52,7 +53,9 @@ def start_worker(
     transfer_timeout_s: float = 30.0,
     worker_kwargs: dict[str, Any] | None = None,
 ) -> WorkerHandle:
-    """Create the actor (non-blocking); call ``wait_ready`` before routing to it."""
+    """Create the actor (non-blocking); call ``wait_ready`` before routing to it. The worker
+    computes on ``num_cpus`` threads (rounded down; ``engine_config.num_threads`` overrides),
+    pinned to cores no other worker of its host uses while enough are free."""
     import ray
 
     mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
@@ -80,7 +83,7 @@ def start_worker(
     options["runtime_env"] = runtime_env
     cls = ray.remote(_actor_class(role))
     actor = cls.options(**options).remote(worker_id, engine_config, transfer_timeout_s=transfer_timeout_s,
-                                          **(worker_kwargs or {}))
+                                          num_cpus=num_cpus, **(worker_kwargs or {}))
     return WorkerHandle(worker_id, role, actor)
 
 

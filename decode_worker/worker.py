@@ -186,7 +186,8 @@ class DecodeWorker(KVWorker):
         return out
 
     def stats(self) -> dict[str, object]:
-        return {**self._base_stats(), "reservations": len(self._reservations)}
+        # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
+        return {**self._base_stats(), **self.engine.runner.describe(), "reservations": len(self._reservations)}
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         res = self._reservations.get(request_id)

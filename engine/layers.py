@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionPlan
-from pdserve.engine.linear import DenseLinear, PackedLinear
+from pdserve.engine.linear import make_layer_linear
 from pdserve.engine.loader import LayerWeights, ModelSpec
 
 
@@ -82,8 +82,9 @@ class DecoderLayer:
 
     __slots__ = ("mm", "input_norm", "post_norm", "eps", "hidden", "qk_heads", "head_dim")
 
-    def __init__(self, w: LayerWeights, spec: ModelSpec, packed: bool) -> None:
-        self.mm = PackedLinear(w) if packed else DenseLinear(w)
+    def __init__(self, w: LayerWeights, spec: ModelSpec, linear: dict[str, str]) -> None:
+        """``linear``: the backend of each matmul call (``engine/kernel_select.py``)."""
+        self.mm = make_layer_linear(w, linear)
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.eps = spec.rms_norm_eps
         self.hidden = (spec.hidden_size,)

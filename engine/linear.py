@@ -9,6 +9,10 @@ Both expose the same three calls, so the layer never branches on the backend:
     qkv(h)           -> h @ W_qkv^T (+ bias)                    [T, (heads + 2 kv_heads) * head_dim]
     o_add(a, x)      -> x + a @ W_o^T (+ bias)                  the residual after attention
     mlp_add(h, x)    -> x + (silu(h @ W_gate^T) * (h @ W_up^T)) @ W_down^T
+
+``MixedLinear`` takes each call from the backend ``engine/kernel_select.py`` measured fastest for
+it on this machine; ``make_layer_linear`` builds whichever of the three a choice needs. Each
+backend builds only the weights of the calls it serves (``ops``), so no weight is held twice.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pdserve.engine.loader import LayerWeights
 
 logger = logging.getLogger(__name__)
 
+LAYER_OPS = frozenset({"qkv", "o_add", "mlp_add"})
+
 
 class DenseLinear:
     """Weights stored transposed and contiguous (``[in, out]``): ``mm``/``addmm`` on that layout
@@ -29,11 +35,12 @@ class DenseLinear:
 
     __slots__ = ("qkv_t", "qkv_b", "o_t", "o_b", "gate_up_t", "down_t", "inter")
 
-    def __init__(self, w: LayerWeights) -> None:
-        self.qkv_t, self.qkv_b = w.qkv.t().contiguous(), w.qkv_bias
-        self.o_t, self.o_b = w.o.t().contiguous(), w.o_bias
-        self.gate_up_t = w.gate_up.t().contiguous()
-        self.down_t = w.down.t().contiguous()
+    def __init__(self, w: LayerWeights, ops: frozenset[str] = LAYER_OPS) -> None:
+        t = lambda m: m.t().contiguous()  # noqa: E731
+        self.qkv_t, self.qkv_b = (t(w.qkv), w.qkv_bias) if "qkv" in ops else (None, None)
+        self.o_t, self.o_b = (t(w.o), w.o_bias) if "o_add" in ops else (None, None)
+        self.gate_up_t = t(w.gate_up) if "mlp_add" in ops else None
+        self.down_t = t(w.down) if "mlp_add" in ops else None
         self.inter = w.down.shape[1]
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
@@ -56,14 +63,15 @@ class PackedLinear:
 
     __slots__ = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_w", "up_w", "down_w", "op")
 
-    def __init__(self, w: LayerWeights) -> None:
+    def __init__(self, w: LayerWeights, ops: frozenset[str] = LAYER_OPS) -> None:
         pack = torch.ops.mkldnn._reorder_linear_weight
         inter = w.down.shape[1]
-        self.qkv_w, self.qkv_b = pack(w.qkv, None), w.qkv_bias
-        self.o_w, self.o_b = pack(w.o, None), w.o_bias
-        self.gate_w = pack(w.gate_up[:inter].contiguous(), None)
-        self.up_w = pack(w.gate_up[inter:].contiguous(), None)
-        self.down_w = pack(w.down, None)
+        self.qkv_w, self.qkv_b = (pack(w.qkv, None), w.qkv_bias) if "qkv" in ops else (None, None)
+        self.o_w, self.o_b = (pack(w.o, None), w.o_bias) if "o_add" in ops else (None, None)
+        mlp = "mlp_add" in ops
+        self.gate_w = pack(w.gate_up[:inter].contiguous(), None) if mlp else None
+        self.up_w = pack(w.gate_up[inter:].contiguous(), None) if mlp else None
+        self.down_w = pack(w.down, None) if mlp else None
         self.op = torch.ops.mkldnn._linear_pointwise
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
@@ -75,6 +83,33 @@ class PackedLinear:
     def mlp_add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         g = self.op(h, self.gate_w, None, "swish", [], "")
         return self.op.binary(self.op.binary(h, g, self.up_w, None, "mul"), x, self.down_w, None, "add")
+
+
+class MixedLinear:
+    """Each of the three calls from its own backend (``choice`` maps a call to "dense"/"packed")."""
+
+    __slots__ = ("qkv", "o_add", "mlp_add", "backends")
+
+    def __init__(self, w: LayerWeights, choice: dict[str, str]) -> None:
+        self.backends = {op: choice[op] for op in sorted(LAYER_OPS)}
+        packed_ops = frozenset(op for op, b in self.backends.items() if b == "packed")
+        dense = DenseLinear(w, LAYER_OPS - packed_ops)
+        packed = PackedLinear(w, packed_ops)
+        pick = lambda op: getattr(packed if op in packed_ops else dense, op)  # noqa: E731
+        self.qkv, self.o_add, self.mlp_add = pick("qkv"), pick("o_add"), pick("mlp_add")
+
+
+def make_layer_linear(w: LayerWeights, choice: dict[str, str]) -> DenseLinear | PackedLinear | MixedLinear:
+    """The layer's matmuls as ``choice`` (call -> "dense"|"packed") says; unknown names raise."""
+    bad = {op: b for op, b in choice.items() if b not in ("dense", "packed")}
+    if bad or not LAYER_OPS <= choice.keys():
+        raise ValueError(f"a linear choice needs dense/packed for each of {sorted(LAYER_OPS)}, got {choice}")
+    backends = {choice[op] for op in LAYER_OPS}
+    if backends == {"dense"}:
+        return DenseLinear(w)
+    if backends == {"packed"}:
+        return PackedLinear(w)
+    return MixedLinear(w, choice)
 
 
 def packed_available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
@@ -79,8 +79,11 @@ class LLMEngine:
             num_blocks=config.num_blocks,
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
+            linear_backend=config.linear_backend,
             attention_backend=config.attention_backend,
         )
+        if config.dtype != self.runner.dtype_name:  # "auto" resolved: the KV layout needs the real one
+            self.config = config = replace(config, dtype=self.runner.dtype_name)
         self.spec = self.runner.spec
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import PagedKVCache
 from pdserve.engine.layers import DecoderLayer, RotaryTables
+from pdserve.engine.dtype_probe import resolve_dtype
+from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
 from pdserve.engine.linear import LmHead, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
 
@@ -41,23 +43,27 @@ class ForwardItem:
 class ModelRunner:
     """Loads a checkpoint and owns the KV cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
                  num_threads: int | None = None, linear_backend: str = "auto",
                  attention_backend: str = "auto") -> None:
-        """``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
-        epilogues, CPU only) or "auto" (packed for bfloat16 on CPU, where it measured faster;
-        dense otherwise: at float32 oneDNN's per-call cost outweighs what it saves).
+        """``dtype``: "float32", "bfloat16" or "auto" (bf16 where this machine computes it natively,
+        see ``engine/dtype_probe.py``).
+        ``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
+        epilogues, CPU only) or "auto" (each matmul call timed on this machine's real shapes at
+        start, the fastest that agrees with float32 kept and cached: ``engine/kernel_select.py``).
         ``attention_backend``: "native" (C++ decode attention reading the paged cache in place),
         "sdpa" (gather + torch SDPA) or "auto" (native when its library is built, on CPU)."""
         if linear_backend not in ("auto", "dense", "packed"):
             raise ValueError(f"linear_backend must be 'auto', 'dense' or 'packed', got {linear_backend!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self.num_threads = torch.get_num_threads()
+        self.dtype_name = dtype = resolve_dtype(dtype, device)
         self.spec = spec = load_model_spec(model_dir)
         self.dtype, self.device, self.block_size = _DTYPES[dtype], torch.device(device), block_size
         elem = torch.finfo(self.dtype).bits // 8
@@ -71,23 +77,36 @@ class ModelRunner:
                              "raise kv_cache_memory_gb or num_blocks")
         self.num_blocks = num_blocks
         self.weights = load_weights(model_dir, spec, dtype, device)
-        want = linear_backend == "packed" or (linear_backend == "auto" and self.dtype == torch.bfloat16)
-        packed = want and packed_available(self.dtype, self.device)
-        if linear_backend == "packed" and not packed:
-            raise ValueError("linear_backend='packed' needs a CPU with oneDNN's packed linear")
-        self.linear_backend = "packed" if packed else "dense"
+        self.kernels = self._choose_kernels(linear_backend)
+        self.linear_backend = self.kernels.summary
         # the layers keep their own (transposed or packed) copies; drop each plain one as we go
-        self.layers = [DecoderLayer(self.weights.layers.pop(0), spec, packed) for _ in range(spec.num_layers)]
-        self.lm_head = LmHead(self.weights.lm_head, packed)
+        self.layers = [DecoderLayer(self.weights.layers.pop(0), spec, self.kernels.backends)
+                       for _ in range(spec.num_layers)]
+        self.lm_head = LmHead(self.weights.lm_head, self.kernels.backends["lm_head"] == "packed")
         self.rope = RotaryTables(spec, spec.max_position_embeddings, self.dtype, device)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
         self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=self.dtype, device=self.device)
         self._cache = PagedKVCache(self.kv_cache, spec.num_heads, attention_backend)
         self.attention_backend = self._cache.backend
-        logger.info("model %s loaded: %d layers, %s, %s matmuls, %s attention, %d KV blocks of %d bytes",
-                    spec.architecture, spec.num_layers, dtype, self.linear_backend, self.attention_backend,
-                    num_blocks, self.kv_block_bytes)
+        logger.info("model %s loaded: %d layers, %s, %d threads, matmuls %s, %s attention, "
+                    "%d KV blocks of %d bytes", spec.architecture, spec.num_layers, dtype, self.num_threads,
+                    self.kernels.describe(), self.attention_backend, num_blocks, self.kv_block_bytes)
+
+    def _choose_kernels(self, linear_backend: str) -> KernelChoice:
+        if linear_backend == "dense" or self.device.type != "cpu":
+            return forced("dense")
+        if linear_backend == "packed":
+            if not packed_available(self.dtype, self.device):
+                raise ValueError("linear_backend='packed' needs a CPU with oneDNN's packed linear")
+            return forced("packed")
+        return select_kernels(self.weights.layers[0], self.weights.lm_head, self.dtype, KernelCache())
+
+    def describe(self) -> dict[str, object]:
+        """What this runner resolved at start: dtype, threads, matmul kernels, attention."""
+        return {"dtype": self.dtype_name, "num_threads": self.num_threads, "linear_backend": self.linear_backend,
+                "kernels": dict(self.kernels.backends), "kernels_source": self.kernels.source,
+                "attention_backend": self.attention_backend}
 
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem]) -> torch.Tensor:

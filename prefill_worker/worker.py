@@ -221,7 +221,8 @@ class PrefillWorker(KVWorker):
         return events
 
     def stats(self) -> dict[str, object]:
-        return {**self._base_stats(), "in_flight": len(self._jobs)}
+        # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
+        return {**self._base_stats(), **self.engine.runner.describe(), "in_flight": len(self._jobs)}
 
     def shutdown(self) -> None:
         self._loop.stop()

@@ -42,8 +42,10 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 30.0
 
 # Small, CPU-friendly settings: a ~0.03 GiB KV cache, one torch thread, 64-token steps (so long
-# prompts are prefilled in chunks), every prompt through the prefill pool, no planner.
+# prompts are prefilled in chunks), every prompt through the prefill pool, no planner; float32
+# (not the 'auto' default) so greedy references match whatever the host's CPU computes natively.
 TEST_OVERRIDES: dict[str, Any] = {
+    "model.dtype": "float32",
     "router.http_port": 0,
     "router.grpc_port": 0,
     "router.request_timeout_s": 90.0,
@@ -72,7 +74,7 @@ def reference_engine(config: ClusterConfig) -> LLMEngine:
     """The engine alone, in this process, with the decode pool's settings (greedy references)."""
     e = config.decode.engine
     return LLMEngine(EngineConfig(model_dir=str(config.model.path), kv_cache_memory_gb=e.kv_cache_memory_gb,
-                                  num_threads=1, max_num_batched_tokens=e.max_num_batched_tokens,
+                                  num_threads=1, dtype=config.model.dtype, max_num_batched_tokens=e.max_num_batched_tokens,
                                   block_size=e.block_size))
 
 

@@ -36,8 +36,8 @@ _ids = itertools.count()
 
 
 def engine_config(model_dir: str | Path, **overrides: Any) -> EngineConfig:
-    """Small settings for tests: a ~0.03 GB cache, one torch thread, 32-token chunks."""
-    base = EngineConfig(model_dir=str(model_dir), kv_cache_memory_gb=0.03, num_threads=1,
+    """Small settings for tests: a ~0.03 GB cache, one torch thread, 32-token chunks, float32."""
+    base = EngineConfig(model_dir=str(model_dir), kv_cache_memory_gb=0.03, num_threads=1, dtype="float32",
                         max_num_batched_tokens=32, max_num_seqs=16)
     return replace(base, **overrides)
 

@@ -50,7 +50,7 @@ def reference(hf_model, prompts) -> list[list[int]]:
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
-    cfg = dict(model_dir=str(model_dir), kv_cache_memory_gb=0.02, num_threads=1)
+    cfg = dict(model_dir=str(model_dir), kv_cache_memory_gb=0.02, num_threads=1, dtype="float32")  # vs HF fp32
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 

@@ -49,7 +49,7 @@ def poisoned(i: int) -> SamplingParams:
 
 def make_engine(model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(model_dir), kv_cache_memory_gb=0.02, num_threads=1,
-                                  max_num_batched_tokens=32))
+                                  max_num_batched_tokens=32, dtype="float32"))
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],

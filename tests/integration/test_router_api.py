@@ -86,7 +86,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_model_len=MAX_LEN,
-                                    max_num_seqs=64))
+                                    max_num_seqs=64, dtype="float32"))  # references batched differently
     tokenizer = load_tokenizer(tiny_model)
     greedy = SamplingParams(max_tokens=GEN, temperature=0.0)
     prompts = {p: tokenizer(p)["input_ids"] for p in PROMPTS} | {"chat": chat_ids(tokenizer, CHAT)}

@@ -137,7 +137,7 @@ ERROR_CASES = [
     ("decode pool at zero", M + "decode: {min_replicas: 0}\n",
      "cluster.yaml:2: decode.min_replicas: must be >= 1 (decode workers serve every request)"),
     ("dtype", M.replace("}", ", dtype: float16}"),
-     "cluster.yaml:1: model.dtype: Input should be 'float32' or 'bfloat16' (got 'float16')"),
+     "cluster.yaml:1: model.dtype: Input should be 'auto', 'float32' or 'bfloat16' (got 'float16')"),
     ("half a TLS pair", M + "router: {tls_cert_file: /c.pem}\n",
      "cluster.yaml:2: router.tls_key_file: tls_cert_file and tls_key_file must be set together"),
     ("same ports", M + "router: {http_port: 9000, grpc_port: 9000}\n",

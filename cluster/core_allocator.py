@@ -1,0 +1,120 @@
+"""Distinct CPU cores for the workers of one host (as two GPUs are never shared).
+
+Life of a claim:
+1. A worker process, before it builds its engine, asks for ``n`` cores (its Ray ``num_cpus``,
+   rounded down, or ``engine.num_threads``), clamped to the cores it may run on at all.
+2. Under an exclusive ``flock`` on ``<dir>/pdserve-cores.lock`` (``/tmp`` by default: one file
+   per host, since Ray's workers of one node share it), the allocator reads the table
+   ``core -> owner pid``, drops owners that are no longer alive (a crashed worker frees its cores
+   by dying), and takes the ``n`` lowest free cores.
+3. If fewer than ``n`` are free, nothing is claimed and the worker runs unpinned (logged): an
+   oversubscribed host (a test advertising 8 Ray CPUs on 2 cores) still works.
+4. The worker pins itself (``os.sched_setaffinity``); its engine computes on ``n`` threads.
+5. ``release`` (worker shutdown) or the process's death gives the cores back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TABLE = "pdserve-cores.json"
+LOCK = "pdserve-cores.lock"
+
+
+@dataclass(frozen=True, slots=True)
+class CorePlacement:
+    threads: int
+    cores: tuple[int, ...]    # () = not pinned
+    reason: str               # why it is (not) pinned, for status and logs
+
+    def as_stats(self) -> dict[str, object]:
+        """Cores and why; the thread count is reported by the engine itself (what torch uses)."""
+        return {"cores": list(self.cores), "pinning": self.reason}
+
+
+def wanted_threads(num_cpus: float, num_threads: int | None, usable: int) -> int:
+    """``num_threads`` when set, else the Ray CPUs rounded down; at least 1, at most ``usable``."""
+    want = num_threads if num_threads is not None else int(num_cpus)
+    return max(1, min(want, usable))
+
+
+class CoreAllocator:
+    def __init__(self, directory: Path | None = None) -> None:
+        self.dir = directory or Path(os.environ.get("PDSERVE_CORE_DIR", "/tmp"))
+
+    @contextlib.contextmanager
+    def _table(self) -> Iterator[dict[str, int]]:
+        fd = os.open(self.dir / LOCK, os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            path = self.dir / TABLE
+            try:
+                table = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+            except (FileNotFoundError, ValueError, AttributeError):
+                table = {}
+            table = {core: pid for core, pid in table.items() if _alive(pid)}
+            yield table
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, sort_keys=True))
+            os.replace(tmp, path)
+        finally:
+            os.close(fd)
+
+    def claim(self, n: int, usable: set[int], pid: int | None = None) -> tuple[int, ...]:
+        """``n`` free cores of ``usable`` for ``pid`` (this process), or () when too few are free."""
+        pid = pid or os.getpid()
+        with self._table() as table:
+            free = sorted(c for c in usable if str(c) not in table or table[str(c)] == pid)
+            if len(free) < n:
+                return ()
+            cores = tuple(free[:n])
+            table.update({str(c): pid for c in cores})
+        return cores
+
+    def release(self, pid: int | None = None) -> None:
+        pid = pid or os.getpid()
+        with self._table() as table:
+            for core in [c for c, owner in table.items() if owner == pid]:
+                del table[core]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def place_this_process(num_cpus: float, num_threads: int | None,
+                       allocator: CoreAllocator | None = None) -> CorePlacement:
+    """Claim cores for this process and pin it (steps 1-4); the engine is then built with
+    ``placement.threads`` threads."""
+    usable = os.sched_getaffinity(0)
+    threads = wanted_threads(num_cpus, num_threads, len(usable))
+    try:
+        cores = (allocator or CoreAllocator()).claim(threads, usable)
+    except OSError as exc:
+        cores, why = (), f"core table unavailable ({exc})"
+    else:
+        why = "pinned" if cores else f"fewer than {threads} free cores on this host"
+    if cores:
+        os.sched_setaffinity(0, cores)
+    else:
+        logger.warning("worker not pinned to cores: %s", why)
+    # Ray sets OMP_NUM_THREADS=1 for a 1-CPU actor; the engine's own count wins.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    placement = CorePlacement(threads, cores, why)
+    logger.info("worker computes on %d thread(s), cores %s", threads, list(cores) or "unpinned")
+    return placement
