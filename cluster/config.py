@@ -373,6 +373,20 @@ class ClusterConfig(_Settings):
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
         return self
 
+    def replica_cpus(self, role: object) -> float:
+        """Ray CPUs of one replica of a pool: its ``num_cpus``, or by default a local Ray's host
+        cores divided between the replicas that start (a prefill pool of 0 replicas, or
+        disaggregation 'never', leaves them all to decode); 1 when joining an existing cluster."""
+        pool = self.pool(role)
+        if pool.num_cpus is not None:
+            return pool.num_cpus
+        if self.ray.address:
+            return 1.0
+        prefill_n = 0 if self.router.disaggregation.mode == "never" else self.prefill.initial_replicas or 0
+        decode_n = self.decode.initial_replicas or 1
+        cores = min(self.ray.num_cpus or 1 << 20, len(os.sched_getaffinity(0)))
+        return float(max(1, cores // (prefill_n + decode_n)))
+
     def pool(self, role: object) -> PoolSettings:
         """The settings of the 'prefill' or 'decode' pool (a string or a role enum)."""
         name = getattr(role, "value", role)
@@ -394,20 +408,6 @@ class ClusterConfig(_Settings):
             raise ConfigError(problems)
 
     def path_problems(self) -> list[str]:
-    def replica_cpus(self, role: object) -> float:
-        """Ray CPUs of one replica of a pool: its ``num_cpus``, or by default a local Ray's host
-        cores divided between the replicas that start (a prefill pool of 0 replicas, or
-        disaggregation 'never', leaves them all to decode); 1 when joining an existing cluster."""
-        pool = self.pool(role)
-        if pool.num_cpus is not None:
-            return pool.num_cpus
-        if self.ray.address:
-            return 1.0
-        prefill_n = 0 if self.router.disaggregation.mode == "never" else self.prefill.initial_replicas or 0
-        decode_n = self.decode.initial_replicas or 1
-        cores = min(self.ray.num_cpus or 1 << 20, len(os.sched_getaffinity(0)))
-        return float(max(1, cores // (prefill_n + decode_n)))
-
         """What is wrong with the files this config names, on this machine ([] = nothing)."""
         problems = []
         if not self.model.path.is_dir():

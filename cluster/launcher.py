@@ -321,6 +321,17 @@ def fetch_status() -> dict | None:
     return status
 
 
+def _cores(cores: list[int] | None) -> str:
+    """"0-3" / "0,2" for pinned cores, "unpinned" for none."""
+    if cores is None:
+        return "?"
+    if not cores:
+        return "unpinned"
+    if cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 2:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def format_status(status: dict) -> str:
     st = status.get("state", {})
     lines = [f"pdserve  model {st.get('model')}  HTTP {st.get('http')}  gRPC {st.get('grpc')}",
@@ -345,20 +356,9 @@ def format_status(status: dict) -> str:
                      f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}% "
                      f"{w.get('num_threads', '?')!s:>3s} {_cores(w.get('cores')):9s} {w.get('dtype', '?'):8s} "
                      f"{w.get('node_ip', '')} {w.get('node_id', '')[:8]}")
-    for d in status.get("planner", []):
-        lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
-    return "\n".join(lines)
-def _cores(cores: list[int] | None) -> str:
-    """"0-3" / "0,2" for pinned cores, "unpinned" for none."""
-    if cores is None:
-        return "?"
-    if not cores:
-        return "unpinned"
-    if cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 2:
-        return f"{cores[0]}-{cores[-1]}"
-    return ",".join(map(str, cores))
-
-
         if w.get("kernels"):
             lines.append(f"{'':24s} matmuls {' '.join(f'{op}={b}' for op, b in w['kernels'].items())}  "
                          f"attention {w.get('attention_backend', '?')}")
+    for d in status.get("planner", []):
+        lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
+    return "\n".join(lines)
