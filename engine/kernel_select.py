@@ -12,7 +12,8 @@ output projection (``lm_head``):
    default only when the winner is clearly faster (``SWITCH_MARGIN``), since timing is noisy;
 5. cache the choice in ``kernels.json`` under the cache directory, keyed by CPU model, CPU flags,
    torch version, dtype, threads and shapes, so a second start costs nothing. The file is locked
-   while a choice is measured: workers starting together on one host agree on one choice.
+   while a choice is measured: workers starting together on one host agree on one choice. A
+   choice measured on a busy machine stays until the file is deleted (then measured again).
 
 No CPU-vendor test anywhere: the measurement decides.
 """
@@ -161,7 +162,8 @@ def select_kernels(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtyp
     key, fields = cache_key(name, torch.get_num_threads(), shapes)
     with (cache.locked() if cache else contextlib.nullcontext({})) as entries:
         if (hit := entries.get(key)) is not None:
-            choice = KernelChoice(hit["backends"], "cache", hit.get("timings_us", {}), hit.get("rejected", {}))
+            backends = {op: hit["backends"][op] for op in OPS if op in hit["backends"]}
+            choice = KernelChoice(backends, "cache", hit.get("timings_us", {}), hit.get("rejected", {}))
             logger.info("kernels for %s: %s", name, choice.describe())
             return choice
         candidates = ["dense"] + (["packed"] if packed_available(dtype, torch.device("cpu")) else [])
