@@ -10,7 +10,10 @@ from pdserve.cluster.config import ClusterConfig
 
 
 def load_cli_config(config_path: str | None, model: str | None, overrides: list[str]) -> ClusterConfig:
-    from pdserve.cluster.config_io import apply_env, apply_overrides, config_from_model, load_config
+    """The config the CLI runs: file or model, ``--set`` overrides, the environment's secrets;
+    ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS."""
+    from pdserve.cluster.config_io import (apply_env, apply_overrides, check_exposure, config_from_model,
+                                           load_config)
     from pdserve.engine.errors import InvalidRequestError
 
     if bool(config_path) == bool(model):
@@ -27,7 +30,7 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
             parsed[key] = value
     if parsed:
         config = apply_overrides(config, parsed, source="command line")
-    return apply_env(config)
+    return check_exposure(apply_env(config))
 
 
 def _add_config_source(p: argparse.ArgumentParser) -> None:
@@ -51,7 +54,10 @@ def _head(args: argparse.Namespace) -> int:
     from pdserve.cluster import launcher
 
     logging.getLogger().setLevel(logging.INFO)
-    return launcher.run_head(load_cli_config(args.config, args.model, args.set))
+    overrides = list(args.set)
+    if args.overrides_file:  # from `up`: --set values may hold secrets, so they never travel in argv
+        overrides += launcher.take_overrides(args.overrides_file)
+    return launcher.run_head(load_cli_config(args.config, args.model, overrides))
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -124,6 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("_head", help=argparse.SUPPRESS)
     _add_config_source(p)
+    p.add_argument("--overrides-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_head)
 
     p = sub.add_parser("down", help="drain and stop everything `pdserve up` started")

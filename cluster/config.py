@@ -58,6 +58,16 @@ def _absolute(value: Path | None, info: ValidationInfo) -> Path | None:
     return Path(os.path.normpath(path))
 
 
+def _is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1; a host name other than localhost counts as reachable."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _check_secret(value: SecretStr | None, what: str, forbidden: str = "") -> SecretStr | None:
     if value is not None:
         raw = value.get_secret_value()
@@ -229,6 +239,12 @@ class RouterSettings(_Settings):
     max_queued_requests: int = Field(1024, ge=1, description="Requests admitted but not yet running "
                                      "before new ones get HTTP 429 / RESOURCE_EXHAUSTED.")
     max_request_bytes: int = Field(MIB, ge=KIB, description="Largest request body accepted, in bytes.")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a "
+                                  "request's body; past it the request gets HTTP 408 and its "
+                                  "connection is closed.")
+    allow_insecure_bind: bool = Field(False, description="Let `pdserve up` and `config check` serve "
+                                      "on a non-loopback host without api_keys or TLS (e.g. behind a "
+                                      "proxy that authenticates); without it they refuse.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted API keys (Bearer "
                                       "token); empty = no authentication. Keys in the comma-separated "
@@ -423,6 +439,20 @@ class ClusterConfig(_Settings):
         if self.redis.tls_ca_file is not None and not self.redis.tls_ca_file.is_file():
             problems.append(f"redis.tls_ca_file: {self.redis.tls_ca_file} is not a file")
         return problems
+
+    def exposure_problems(self) -> list[str]:
+        """Why serving this config would let anyone who can reach it generate ([] = nothing).
+
+        A router bound beyond loopback needs API keys or TLS, unless ``allow_insecure_bind``
+        says something in front of it authenticates. Checked once the environment's keys are in.
+        """
+        r = self.router
+        if _is_loopback(r.host) or r.api_keys or r.tls_cert_file is not None or r.allow_insecure_bind:
+            return []
+        return [f"router.host: {r.host} is reachable from other machines, but there are no api_keys and no "
+                f"TLS, so anyone who reaches it can generate; set router.api_keys (or PDSERVE_API_KEYS), or "
+                f"tls_cert_file and tls_key_file, or bind 127.0.0.1, or set router.allow_insecure_bind: true "
+                f"if a proxy in front authenticates"]
 
 
 class ConfigError(InvalidRequestError):

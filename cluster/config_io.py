@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pdserve.cluster.config import ClusterConfig, ConfigError
+from pdserve.cluster.redact import redact_url
 
 ENV_API_KEYS = "PDSERVE_API_KEYS"
 ENV_REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
@@ -112,8 +113,19 @@ def json_schema() -> dict[str, Any]:
 
 
 def config_to_yaml(config: ClusterConfig) -> str:
-    """The effective config as YAML, secrets masked (``pdserve config show``)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The effective config as YAML, secrets masked (``pdserve config show``): ``SecretStr``
+    fields, and a password written into ``redis.url``."""
+    data = config.model_dump(mode="json")
+    if data["redis"].get("url"):
+        data["redis"]["url"] = redact_url(data["redis"]["url"])
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def check_exposure(config: ClusterConfig) -> ClusterConfig:
+    """``config``, or ``ConfigError`` when it would serve beyond loopback with no key and no TLS."""
+    if problems := config.exposure_problems():
+        raise ConfigError(problems)
+    return config
 
 
 def _finish(config: ClusterConfig, source: str, check_paths: bool,
@@ -140,9 +152,13 @@ def _describe(err: Mapping[str, Any], source: str, root: yaml.Node | None) -> tu
             loc, msg = loc + tuple(match.group(1).split(".")), match.group(2)
     if err["type"] == "extra_forbidden":
         msg = _unknown_key(loc)
-    elif err["type"] != "missing" and isinstance(err.get("input"), (str, int, float, bool)) \
-            and not _SECRET_FIELDS.intersection(map(str, loc)):
-        msg = f"{msg} (got {err['input']!r})"
+    elif err["type"] != "missing" and isinstance(err.get("input"), (str, int, float, bool)):
+        if _SECRET_FIELDS.intersection(map(str, loc)):
+            pass  # never echo a secret
+        elif loc and loc[-1] == "url" and isinstance(err["input"], str):
+            msg = f"{msg} (got {redact_url(err['input'])[:200]!r})"
+        else:
+            msg = f"{msg} (got {err['input']!r})"
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     line = _line_of(root, loc)
     where = f"{source}:{line}" if line else source

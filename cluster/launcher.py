@@ -7,6 +7,11 @@ runs the router service. It writes ``state.json`` (endpoints, pid, Redis URL) in
 directory and publishes its status to Redis every second, which is what ``status`` reads.
 ``down`` asks the head to stop (SIGTERM): it stops taking requests, lets in-flight ones finish
 (bounded), stops the workers, Redis and Ray it started, and removes the state file.
+
+Secrets stay out of sight: ``up`` hands its ``--set`` overrides (``router.api_keys=...``) to the
+head in a 0600 file that the head deletes once read, never in the head's argv; the state
+directory is 0700 and every file in it 0600; ``state.json`` has no password (a password in
+``redis.url`` is moved into the 0600 ``redis-password`` file).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.request
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
+from pdserve.cluster.redact import split_password
 
 if TYPE_CHECKING:
     import redis
@@ -42,6 +50,49 @@ def state_dir() -> Path:
 
 def state_file() -> Path:
     return state_dir() / "state.json"
+
+
+def ensure_state_dir() -> Path:
+    """The state directory, created 0700 (and made 0700 if it is ours and open to others)."""
+    path = state_dir()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_mode & 0o077:
+        if st.st_uid == os.getuid() and not st.st_mode & stat.S_ISVTX:  # never chmod a shared /tmp
+            os.chmod(path, 0o700)
+        else:
+            logger.warning("state directory %s is readable by other users; its files are 0600", path)
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` atomically as a 0600 file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    tmp.replace(path)
+
+
+def _give_overrides(overrides: list[str]) -> Path:
+    """A 0600 file holding ``up``'s ``--set`` values for the head (see ``take_overrides``)."""
+    fd, name = tempfile.mkstemp(prefix="head-overrides-", suffix=".json", dir=ensure_state_dir())
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:  # mkstemp creates it 0600
+        json.dump(overrides, fh)
+    return Path(name)
+
+
+def take_overrides(path: str | os.PathLike[str]) -> list[str]:
+    """The ``--set`` values ``up`` left for this head; the file is deleted once read."""
+    file = Path(path)
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    finally:
+        file.unlink(missing_ok=True)
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{file}: expected a JSON list of KEY=VALUE strings")
+    return values
 
 
 def read_state() -> dict | None:
@@ -92,6 +143,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
     redis_url = config.redis.url
     # The password travels in memory (and in a 0600 file for the CLI), never in a URL or argv.
     password = config.redis.password.get_secret_value() if config.redis.password else None
+    if redis_url is not None:
+        redis_url, in_url = split_password(redis_url)  # state.json shows the URL: keep it clean
+        password = password or in_url
     if redis_url is None:
         password = password or secrets.token_urlsafe(24)  # the embedded server is never open
         redis_server = EmbeddedRedis(password=password, data_dir=config.redis.data_dir,
@@ -116,11 +170,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         if config.redis.tls_ca_file is not None:
             state["redis_tls_ca_file"] = str(config.redis.tls_ca_file)
         if write_state:
-            state_dir().mkdir(parents=True, exist_ok=True)
+            ensure_state_dir()
             _write_redis_password(password)
-            tmp = state_file().with_suffix(".tmp")
-            tmp.write_text(json.dumps(state, indent=2))
-            tmp.replace(state_file())
+            _write_private(state_file(), json.dumps(state, indent=2))
         serve.state = state  # type: ignore[attr-defined]
         if ready is not None:
             ready.set()
@@ -218,24 +270,35 @@ def up(config_path: str | None, model: str | None, overrides: list[str], foregro
     if st and _pid_alive(int(st["pid"])):
         print(f"pdserve is already up (pid {st['pid']}): HTTP {st['http']}, gRPC {st['grpc']}")
         return 1
+    if foreground:
+        from pdserve.cluster.cli import load_cli_config
+
+        return run_head(load_cli_config(config_path, model, overrides))
     args = [sys.executable, "-m", "pdserve.cli", "_head"]
     if config_path:
         args += ["-c", config_path]
     if model:
         args += ["--model", model]
-    for o in overrides:
-        args += ["--set", o]
-    if foreground:
-        from pdserve.cluster.cli import load_cli_config
-
-        return run_head(load_cli_config(config_path, model, overrides))
-    state_dir().mkdir(parents=True, exist_ok=True)
-    log_path = state_dir() / "head.log"
+    handoff = _give_overrides(overrides) if overrides else None
+    if handoff is not None:  # never `--set` in argv: `ps` shows argv to every user, and values may be secrets
+        args += ["--overrides-file", str(handoff)]
+    log_path = ensure_state_dir() / "head.log"
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "ab") as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     print(f"starting pdserve (pid {proc.pid}, log {log_path}) ...", flush=True)
+    try:
+        return _wait_up(proc, log_path, timeout_s)
+    finally:
+        if handoff is not None:
+            handoff.unlink(missing_ok=True)  # the head deleted it, unless it died first
+
+
+def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
+    """Until the head answers /health (0), exits, or ``timeout_s`` passes (1)."""
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:

@@ -166,6 +166,7 @@ class RouterService:
         tls = bool(r.tls_cert_file and r.tls_key_file)
         http = await start_http_server(
             self.serving, host=r.host, port=r.http_port, auth=auth, max_body_bytes=r.max_request_bytes,
+            body_timeout_s=r.body_timeout_s,
             ssl_context=server_ssl_context(str(r.tls_cert_file), str(r.tls_key_file)) if tls else None)
         grpc = await start_grpc_server(
             self.serving, host=r.host, port=r.grpc_port, auth=auth,

@@ -45,11 +45,42 @@ class RequestTooLargeError(InvalidRequestError):
 
 
 class RouteNotFoundError(PdserveError):
-    """No such HTTP path (or method) on this server."""
+    """No such HTTP path on this server."""
 
     grpc_status = "UNIMPLEMENTED"
     http_status = 404
     error_type = "invalid_request_error"
+
+
+class MethodNotAllowedError(RouteNotFoundError):
+    """The path exists but not with this HTTP method; ``allowed`` goes into the ``Allow`` header."""
+
+    http_status = 405
+
+    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+        self.code = "method_not_allowed"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """The body's Content-Type or Content-Encoding is not one this server reads (HTTP 415)."""
+
+    http_status = 415
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = "unsupported_media_type"
+
+
+class BodyTimeoutError(InvalidRequestError):
+    """The client did not send its whole body in time (HTTP 408; the connection is closed)."""
+
+    http_status = 408
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = "request_timeout"
 
 
 _DEFAULT_CODES: tuple[tuple[type[PdserveError], str], ...] = (

@@ -4,6 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both plain JSON
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI
 shaped (``router.errors``). An unknown model is 404 ``model_not_found``, as OpenAI answers.
 A client that disconnects mid-request cancels its handler, which aborts the backend request.
+Bodies are read by ``router.http_body`` (JSON only, bounded in size and time); a wrong method on
+a known path is 405 with ``Allow``. Refused requests are logged as one rate-limited INFO line
+each (``router.rejection_log``), never with a traceback.
 """
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from aiohttp import web
 from pdserve.engine.errors import PdserveError
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.http_body import check_content_type, parse_json, read_body
 from pdserve.router.openai_format import ResponseBuilder
+from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.serving import Chunk, Final, Serving
 from pdserve.router.validation import ParsedRequest, parse_chat_body, parse_completion_body
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
 _SERVING = web.AppKey("serving", Serving)
 _AUTH = web.AppKey("auth", ApiKeyAuth)
 _MAX_BODY = web.AppKey("max_body", int)
+_BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+_REJECTIONS = web.AppKey("rejections", RejectionLog)
 
 
 def error_response(exc: BaseException) -> web.Response:
@@ -38,7 +46,17 @@ def error_response(exc: BaseException) -> web.Response:
     retry = errors.retry_after_seconds(exc)
     if retry is not None:
         headers["Retry-After"] = str(retry)
+    if isinstance(exc, errors.MethodNotAllowedError):
+        headers["Allow"] = ", ".join(exc.allowed)
     return web.json_response(errors.openai_error_body(exc), status=errors.http_status(exc), headers=headers)
+
+
+def _refused(request: web.Request, exc: PdserveError) -> web.Response:
+    """The error response for a request the client got wrong, logged as one line."""
+    resp = error_response(exc)
+    if resp.status < 500:
+        request.app[_REJECTIONS].refused(f"{request.method} {request.path[:100]}", resp.status, str(exc))
+    return resp
 
 
 @web.middleware
@@ -47,33 +65,42 @@ async def _error_middleware(request: web.Request, handler):
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status == 413:
-            return error_response(errors.RequestTooLargeError(
+            return _refused(request, errors.RequestTooLargeError(
                 f"the request body is larger than {request.app[_MAX_BODY]} bytes"))
-        if exc.status in (404, 405):
-            return error_response(errors.RouteNotFoundError(f"{request.method} {request.path} is not an endpoint here"))
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = tuple(sorted(exc.allowed_methods))
+            return _refused(request, errors.MethodNotAllowedError(
+                f"{request.method[:16]} is not allowed on {request.path[:100]}; use {' or '.join(allowed)}", allowed))
+        if exc.status == 404:
+            return _refused(request, errors.RouteNotFoundError(
+                f"{request.method[:16]} {request.path[:100]} is not an endpoint here"))
         raise
+    except errors.BodyTimeoutError as exc:
+        return await _answer_and_close(request, _refused(request, exc))
     except PdserveError as exc:
-        return error_response(exc)
-    except (ConnectionError, asyncio.CancelledError):
+        return _refused(request, exc)
+    except asyncio.CancelledError:
         raise  # the client is gone: nothing to answer
+    except ConnectionError as exc:  # lost mid-body: nothing to answer, and no traceback for aiohttp to log
+        logger.debug("%s %s: the client went away: %s", request.method, request.path[:100], exc)
+        return web.Response(status=400)
     except Exception as exc:  # a bug: log it, answer 500 without internals
         return error_response(errors.as_pdserve_error(exc))
 
 
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` and close the connection now (aiohttp would otherwise wait up to its
+    lingering time for the rest of a body that is not coming)."""
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
+
+
 async def _read_json(request: web.Request) -> object:
-    limit = request.app[_MAX_BODY]
-    if request.content_length is not None and request.content_length > limit:
-        raise errors.RequestTooLargeError(f"the request body ({request.content_length} bytes) is larger than "
-                                          f"the {limit} bytes this server accepts")
-    raw = await request.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise errors.InvalidParameterError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise errors.InvalidParameterError(f"the request body is not valid JSON: {exc}") from None
+    check_content_type(request)
+    return parse_json(await read_body(request, request.app[_MAX_BODY], request.app[_BODY_TIMEOUT]))
 
 
 def _check_auth(request: web.Request) -> None:
@@ -161,12 +188,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None,
-             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+             body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
     app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes)
     app[_SERVING] = serving
     app[_AUTH] = auth or ApiKeyAuth()
     app[_MAX_BODY] = max_body_bytes
+    app[_BODY_TIMEOUT] = body_timeout_s
+    app[_REJECTIONS] = RejectionLog(logger)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -192,10 +221,12 @@ class HttpServer:
 
 async def start_http_server(serving: Serving, *, host: str = "127.0.0.1", port: int = 0,
                             auth: ApiKeyAuth | None = None, ssl_context: ssl.SSLContext | None = None,
-                            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HttpServer:
+                            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                            body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> HttpServer:
     """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``)."""
-    runner = web.AppRunner(make_app(serving, auth=auth, max_body_bytes=max_body_bytes),
-                           handler_cancellation=True, access_log=None)
+    app = make_app(serving, auth=auth, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    # auto_decompress off: router.http_body decompresses known codings itself, bounded in size.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()

@@ -104,10 +104,27 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+MAX_ECHOED_CHARS = 64  # of a client's string quoted back in an error message
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+               list: "a list"}
+
+
+def _clip(text: str) -> str:
+    """``text`` as an error message quotes it: its first ``MAX_ECHOED_CHARS`` characters."""
+    if len(text) <= MAX_ECHOED_CHARS:
+        return text
+    return f"{text[:MAX_ECHOED_CHARS]}... ({len(text)} characters)"
+
+
+def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``allowed`` with the same type: ``True`` is not ``1``, ``0`` is not ``False``."""
+    return any(value is a if a is None else type(value) is type(a) and value == a for a in allowed)
+
+
 def check_model(requested: str | None, served: str) -> None:
     """Raise ``ModelNotFoundError`` unless ``requested`` is empty or the served model's name."""
     if requested and requested != served:
-        err = ModelNotFoundError(f"the model '{requested}' does not exist here; this server serves '{served}'")
+        err = ModelNotFoundError(f"the model '{_clip(requested)}' does not exist here; this server serves '{served}'")
         err.param = "model"  # type: ignore[attr-defined]
         raise err
 
@@ -182,7 +199,12 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"'model' must be a string, got {model!r}")
     for name, allowed, hint in _UNSUPPORTED:
-        if body.get(name) not in allowed:
+        value = body.get(name)
+        if not _is_allowed(value, allowed):
+            kinds = {type(a) for a in allowed if a is not None}
+            if type(value) not in kinds:  # e.g. n: true, which Python would take for 1
+                kind = "a number" if kinds == {int, float} else " or ".join(sorted(_KIND_NAMES[k] for k in kinds))
+                raise _bad(name, f"'{name}' must be {kind}, got {type(value).__name__} {_clip(repr(value))}")
             raise _bad(name, hint)
     stream = _opt_bool(body, "stream") or False
     options = body.get("stream_options")

@@ -97,6 +97,11 @@ def test_up_status_request_tail_down(state_dir: Path, tiny_model: Path) -> None:
     as_json = json.loads(pdserve(state_dir, "status", "--json").stdout)
     assert {w["role"] for w in as_json["workers"]} == {"prefill", "decode"}
     assert all(w["alive"] and not w["draining"] for w in as_json["workers"])
+    # each worker's threads (num_threads 1 here) and cores; two workers never share a core
+    assert all(w["num_threads"] == 1 and w["dtype"] in ("float32", "bfloat16") for w in as_json["workers"])
+    pinned = [c for w in as_json["workers"] for c in w["cores"]]
+    assert len(pinned) == len(set(pinned)), as_json["workers"]
+    assert "thr" in status.stdout and "matmuls" in status.stdout, status.stdout
 
     assert http_json(state["http"] + "/health") is not None
     body = {"model": state["model"], "prompt": PROMPT, "max_tokens": GEN, "temperature": 0, "ignore_eos": True}
