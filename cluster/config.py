@@ -391,14 +391,14 @@ class ClusterConfig(_Settings):
 
     def replica_cpus(self, role: object) -> float:
         """Ray CPUs of one replica of a pool: its ``num_cpus``, or by default a local Ray's host
-        cores divided between the replicas that start (a prefill pool of 0 replicas, or
-        disaggregation 'never', leaves them all to decode); 1 when joining an existing cluster."""
+        cores divided between the replicas that start (a prefill pool of 0 replicas leaves them all
+        to decode: the single-worker colocated mode); 1 when joining an existing cluster."""
         pool = self.pool(role)
         if pool.num_cpus is not None:
             return pool.num_cpus
         if self.ray.address:
             return 1.0
-        prefill_n = 0 if self.router.disaggregation.mode == "never" else self.prefill.initial_replicas or 0
+        prefill_n = self.prefill.initial_replicas or 0   # started even in 'never' mode: they count
         decode_n = self.decode.initial_replicas or 1
         cores = min(self.ray.num_cpus or 1 << 20, len(os.sched_getaffinity(0)))
         return float(max(1, cores // (prefill_n + decode_n)))
