@@ -245,15 +245,20 @@ class RouterSettings(_Settings):
     allow_insecure_bind: bool = Field(False, description="Let `pdserve up` and `config check` serve "
                                       "on a non-loopback host without api_keys or TLS (e.g. behind a "
                                       "proxy that authenticates); without it they refuse.")
-    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens (or max_completion_tokens) "
+                                  "a request may ask for; above it is HTTP 400 / INVALID_ARGUMENT. A request "
+                                  "that leaves it unset gets at most this many tokens (and at most what the "
+                                  "context leaves).")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted API keys (Bearer "
                                       "token); empty = no authentication. Keys in the comma-separated "
                                       "PDSERVE_API_KEYS environment variable are added.")
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain; set with tls_key_file "
                                        "to serve HTTPS and gRPC over TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may run end to end "
-                                     "before it fails with DEADLINE_EXCEEDED / HTTP 504.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Default deadline of every request, from "
+                                     "admission to its last token (a shorter gRPC client deadline wins); when it "
+                                     "passes the request is aborted on every worker and fails with HTTP 504 / "
+                                     "DEADLINE_EXCEEDED. Also bounds each call the router makes to a worker.")
     worker_stats_timeout_s: float = Field(5.0, gt=0, description="A worker that does not answer its "
                                           "health/load poll within this long gets no new requests "
                                           "until it answers again.")

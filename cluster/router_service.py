@@ -31,7 +31,7 @@ from pdserve.router.disagg_backend import DisaggBackend
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
 from pdserve.router.policy import RoutingPolicy
-from pdserve.router.serving import Serving
+from pdserve.router.serving import Serving, ServingLimits
 from pdserve.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class _LoggedBackend:
                 except Exception:
                     logger.exception("router metrics failed")
             if isinstance(item, Finished) and self._log is not None:
-                record = {"request_id": req.request_id, "finish_reason": item.finish_reason,
+                record = {"request_id": req.request_id, "client_request_id": req.client_id, "finish_reason": item.finish_reason,
                           "error": str(item.error) if item.error else None, "priority": req.priority.name.lower(),
                           "max_tokens": req.params.max_tokens, "time": time.time(), **item.phase}
                 asyncio.get_running_loop().create_task(self._append(record))
@@ -159,7 +159,8 @@ class RouterService:
         self.metrics = RouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
         self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics, self.redis_guard),
-                               admission=admission)
+                               admission=admission, limits=ServingLimits(cfg.router.request_timeout_s,
+                                                                         cfg.router.max_tokens_limit))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router

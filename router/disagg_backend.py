@@ -1,7 +1,8 @@
 """The disaggregated backend: each request is prefilled on a prefill worker, its KV pushed into
 blocks a decode worker reserved, and decoded there; failures are retried or migrated.
 
-One attempt of one request (``{request_id}#{n}``):
+One attempt of one request (``{request_id}#{n}``; ``request_id`` is the router's own uuid hex,
+never a client's string, and attempts are found by the exact request id they were started for):
 1. Route: a decode worker (free blocks, load) and a prefill worker (longest cached prefix vs
    queued tokens), or local prefill on the decode worker (short uncached part, no prefill pool).
 2. ``reserve`` on the decode worker -> ledger RESERVED; ``prefill`` on the prefill worker ->
@@ -80,6 +81,7 @@ class DisaggBackend:
         self.reserve_wait_s = reserve_wait_s
         self.call_timeout_s = call_timeout_s
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
+        self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
         self.migrations = 0
         self.retries = 0
 
@@ -93,15 +95,14 @@ class DisaggBackend:
     def placement(self, request_id: str) -> tuple[str, str | None] | None:
         """The (decode, prefill) workers of the request's current attempt; None when it has none
         (not started, between attempts, or ended). ``prefill`` is None for a local prefill."""
-        for attempt, workers in list(self._active.items()):
-            if attempt.split("#", 1)[0] == request_id:
-                return workers
-        return None
+        attempt = self._attempt_of.get(request_id)
+        return None if attempt is None else self._active.get(attempt)
 
     async def abort(self, request_id: str) -> None:
-        for attempt, (d, p) in list(self._active.items()):
-            if attempt.split("#", 1)[0] == request_id:
-                self._abort_remote(attempt, d, p)
+        attempt = self._attempt_of.get(request_id)
+        workers = None if attempt is None else self._active.get(attempt)
+        if workers is not None:
+            self._abort_remote(attempt, *workers)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         started = time.monotonic()
@@ -144,8 +145,8 @@ class DisaggBackend:
             except PdserveError as exc:
                 yield self._finish(Finished("error", {}, exc), req, emitted, started, first_token_at, acc)
                 return
-        err = WorkerUnavailableError(
-            f"request {req.request_id}: no worker could serve it after {self.max_attempts} attempts")
+        logger.warning("request %s: no worker could serve it after %d attempts", req.request_id, self.max_attempts)
+        err = WorkerUnavailableError(f"no worker could serve this request after {self.max_attempts} attempts")
         yield self._finish(Finished("error", {}, err), req, emitted, started, first_token_at, acc)
 
     # -------------------------------------------------------------- attempts
@@ -193,6 +194,7 @@ class DisaggBackend:
                            req: GenerateRequest, acc: dict) -> AsyncIterator[TokenDelta | Finished]:
         d, p = decision.decode_worker, decision.prefill_worker
         self._active[attempt] = (d, p)
+        self._attempt_of[req.request_id] = attempt
         queue = self.pool.open_stream(attempt, d)
         finished = False
         d_view = self.pool.members[d].view
@@ -227,7 +229,7 @@ class DisaggBackend:
                 try:
                     out = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise DeadlineExceededError(f"request {req.request_id}: deadline passed") from None
+                    raise DeadlineExceededError("the request did not finish within its deadline") from None
                 if out is LOST:
                     raise WorkerLost(d, "decode worker lost mid-stream")
                 if out.new_token_ids:
@@ -248,11 +250,14 @@ class DisaggBackend:
             d_view.inflight_requests -= 1
             self.pool.close_stream(attempt)
             self._active.pop(attempt, None)
+            if self._attempt_of.get(req.request_id) == attempt:
+                del self._attempt_of[req.request_id]
             if not finished:
                 self._abort_remote(attempt, d, p)
                 # The reaper confirms both sides released (and moves it to FREED) once this short
                 # lease passes; the workers' own timeouts free the blocks even without Redis.
-                await self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0)
+                await asyncio.shield(  # a second cancel must not leave the entry live until its lease
+                    self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0))
 
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
                        req: GenerateRequest, acc: dict, queue: asyncio.Queue) -> TokenDelta | None:

@@ -83,6 +83,19 @@ class BodyTimeoutError(InvalidRequestError):
         self.code = "request_timeout"
 
 
+class DuplicateRequestIdError(PdserveError):
+    """The client's ``request_id`` names one of its requests that is still running (HTTP 409)."""
+
+    grpc_status = "ALREADY_EXISTS"
+    http_status = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.param = "request_id"
+        self.code = "duplicate_request_id"
+
+
 _DEFAULT_CODES: tuple[tuple[type[PdserveError], str], ...] = (
     (ModelNotFoundError, "model_not_found"),
     (OverloadedError, "rate_limit_exceeded"),

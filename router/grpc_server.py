@@ -25,8 +25,8 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
-from pdserve.router.serving import Final, Serving
-from pdserve.router.validation import ParsedRequest, check_request_id, parse_generate_fields
+from pdserve.router.serving import Final, Serving, client_scope
+from pdserve.router.validation import ParsedRequest, check_request_id, max_prompt_chars, parse_generate_fields
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,14 @@ def _logprob_messages(tokenizer, token_ids: list[int], logprobs: list[dict[int, 
     return out
 
 
+def max_message_bytes(max_model_len: int) -> int:
+    """The largest request message accepted: the longest prompt text ``Serving`` still reads
+    (``max_prompt_chars``) at 4 UTF-8 bytes a character, plus room for the other fields, and at
+    least gRPC's default 4 MiB, so that a too-long prompt under it gets INVALID_ARGUMENT naming
+    the limit (the early length check) rather than a bare RESOURCE_EXHAUSTED."""
+    return max(4 * 1024 * 1024, 4 * max_prompt_chars(max_model_len) + 64 * 1024)
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, serving: Serving, auth: ApiKeyAuth | None = None) -> None:
         self._serving = serving
@@ -86,8 +94,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if not self._auth.enabled:
             return
-        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        self._auth.check(md.get("authorization"))
+        self._auth.check(self._metadata(context).get("authorization"))
+
+    @staticmethod
+    def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+        return {k.lower(): v for k, v in (context.invocation_metadata() or ())}
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         context.set_trailing_metadata(errors.grpc_trailing_metadata(exc))
@@ -101,7 +112,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             prepared = await self._serving.prepare(parsed_from_proto(request), rid, default_max_tokens=16)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
-            async with self._serving.stream(prepared, api="grpc", deadline=deadline) as events:
+            scope = client_scope(self._metadata(context).get("authorization"))
+            async with self._serving.stream(prepared, api="grpc", deadline=deadline, scope=scope) as events:
                 async for ev in events:
                     if not isinstance(ev, Final):
                         lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
@@ -171,7 +183,8 @@ async def start_grpc_server(serving: Serving, *, host: str = "127.0.0.1", port: 
                             auth: ApiKeyAuth | None = None, credentials: grpc.ServerCredentials | None = None,
                             health_poll_s: float = 2.0) -> GrpcServer:
     """Start serving; ``port=0`` picks a free port (see ``GrpcServer.port``)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    limit = max_message_bytes(serving.info.max_model_len)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(serving, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -27,8 +27,8 @@ from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.http_body import check_content_type, parse_json, read_body
 from pdserve.router.openai_format import ResponseBuilder
 from pdserve.router.rejection_log import RejectionLog
-from pdserve.router.serving import Chunk, Final, Serving
-from pdserve.router.validation import ParsedRequest, parse_chat_body, parse_completion_body
+from pdserve.router.serving import Chunk, Final, Serving, client_scope
+from pdserve.router.validation import ParsedRequest, check_request_id, parse_chat_body, parse_completion_body
 
 logger = logging.getLogger(__name__)
 
@@ -110,24 +110,27 @@ def _check_auth(request: web.Request) -> None:
 async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) -> web.StreamResponse:
     serving = request.app[_SERVING]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    prepared = await serving.prepare(parsed, rid, default_max_tokens=None if chat else 16)
+    # The client's own id (X-Request-Id) is echoed back; a live duplicate of it is 409.
+    given = request.headers.get("X-Request-Id")
+    client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
+    prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                               logprobs=prepared.params.logprobs)
-    async with serving.stream(prepared, api="http") as events:
+    async with serving.stream(prepared, api="http", scope=client_scope(request.headers.get("Authorization"))) as events:
         if not parsed.stream:
             chunks: list[Chunk] = []
             async for ev in events:
                 if isinstance(ev, Final):
                     if ev.error is not None:
                         raise ev.error
-                    return web.json_response(builder.full(chunks, ev), headers={"X-Request-Id": rid})
+                    return web.json_response(builder.full(chunks, ev), headers={"X-Request-Id": client_id})
                 chunks.append(ev)
             raise PdserveError("the request ended without a final result")
         first = await anext(events)
         if isinstance(first, Final) and first.error is not None:
             raise first.error  # nothing sent yet: answer with the error's own status
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": rid})
+                                           "X-Request-Id": client_id})
         await resp.prepare(request)
         await _send_events(resp, builder, first, events, parsed.include_usage)
         return resp

@@ -108,6 +108,10 @@ class LocalEngineBackend:
         if self._closing:
             self._deliver({stream: [Finished("error", error=WorkerUnavailableError("the engine is shutting down"))]})
             return
+        if req.request_id in self._streams:  # ids come from the router (uuid hex): a bug, not a client's
+            logger.error("request id %s is already running here; refusing the second one", req.request_id)
+            self._deliver({stream: [Finished("error", error=PdserveError("internal server error: duplicate id"))]})
+            return
         try:
             self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority)
         except PdserveError as exc:

@@ -1,20 +1,27 @@
 """The request pipeline both front ends share: tokenize, check, admit, stream, account.
 
-1. ``prepare``: check the model name, tokenize (chat template for chat), check the prompt and
-   ``max_tokens`` against the context length, build the ``SamplingParams``.
-2. ``stream`` (an async context manager): take an admission slot (``OverloadedError`` when
-   full), start the backend request, and yield ``Chunk`` s and one closing ``Final``.
-   Text is detokenized here; a stop string ends the request as "stop" and the backend
-   request is aborted. A passed deadline aborts it and raises ``DeadlineExceededError``.
+1. ``prepare``: check the model name, refuse prompt text too long to be worth tokenizing,
+   tokenize (chat template for chat), check the prompt and ``max_tokens`` against the context
+   length and ``ServingLimits.max_tokens_limit``, build the ``SamplingParams``. The request gets
+   a server-generated id (uuid hex); the client's id is kept only to echo back and to log.
+2. ``stream`` (an async context manager): claim the client's id in its scope (a live duplicate
+   is ``DuplicateRequestIdError``: 409 / ALREADY_EXISTS), take an admission slot
+   (``OverloadedError`` when full), start the backend request under the server id, and yield
+   ``Chunk`` s and one closing ``Final``. Text is detokenized here; a stop string ends the
+   request as "stop" and the backend request is aborted. The deadline is the earlier of the
+   client's and ``ServingLimits.request_timeout_s``; when it passes the request is aborted and
+   ``DeadlineExceededError`` raised (504 / DEADLINE_EXCEEDED).
 3. Leaving the context early (client gone, task cancelled, error) aborts the backend request,
-   so the engine frees its blocks; the slot is always released.
+   so the engine frees its blocks; the slot and the client id are always released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -24,8 +31,15 @@ from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta, complete_phase
 from pdserve.router.detokenizer import OutputText
+from pdserve.router.errors import DuplicateRequestIdError
 from pdserve.router.metrics_text import RouterMetrics
-from pdserve.router.validation import ParsedRequest, check_model, check_prompt_tokens, resolve_max_tokens
+from pdserve.router.validation import (
+    ParsedRequest,
+    check_model,
+    check_prompt_chars,
+    check_prompt_tokens,
+    resolve_max_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +47,26 @@ FINISH_GRACE_S = 5.0  # how long to wait for the backend's Finished after aborti
 
 
 @dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """Server-wide limits on every request (``router.request_timeout_s``, ``router.max_tokens_limit``)."""
+
+    request_timeout_s: float | None = None  # None: no default deadline
+    max_tokens_limit: int | None = None     # None: only the context length bounds max_tokens
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedRequest:
-    request_id: str
+    request_id: str  # the server's id (uuid hex): what the backend keys the request by
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: Priority = Priority.INTERACTIVE
+    client_id: str = ""  # the client's id: echoed back and logged, never used as a key inside
 
 
 @dataclass(slots=True)
@@ -59,10 +88,12 @@ class Final:
 
 class Serving:
     def __init__(self, backend: Backend, *, admission: Admission | None = None,
-                 metrics: RouterMetrics | None = None, tokenizer=None) -> None:
+                 metrics: RouterMetrics | None = None, tokenizer=None, limits: ServingLimits | None = None) -> None:
         self.backend = backend
         self.info = backend.model_info()
         self.admission = admission or Admission()
+        self.limits = limits or ServingLimits()
+        self._live_ids: dict[tuple[str, str], str] = {}  # (scope, client id) -> server id, in flight
         self.metrics = metrics or RouterMetrics()
         if tokenizer is None:
             from pdserve.engine.tokenizer import load_tokenizer
@@ -87,9 +118,11 @@ class Serving:
         # The template writes any BOS itself, so no special tokens are added here.
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
-    async def prepare(self, parsed: ParsedRequest, request_id: str, *, default_max_tokens: int | None) -> PreparedRequest:
-        """Tokenize and check a parsed request; ``default_max_tokens`` None means "up to the context"."""
+    async def prepare(self, parsed: ParsedRequest, client_id: str, *, default_max_tokens: int | None) -> PreparedRequest:
+        """Tokenize and check a parsed request; ``default_max_tokens`` None means "up to the context"
+        (both capped by ``limits.max_tokens_limit``). ``client_id`` is the id the client sees."""
         check_model(parsed.model, self.info.name)
+        check_prompt_chars(parsed, self.info.max_model_len)
         if parsed.prompt_token_ids is not None:
             ids = list(parsed.prompt_token_ids)
         elif parsed.messages is not None:
@@ -97,22 +130,56 @@ class Serving:
         else:
             ids = await asyncio.to_thread(self._encode_text, parsed.prompt_text or "")
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)
-        max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens)
-        return PreparedRequest(request_id, ids, parsed.sampling_params(max_tokens), parsed.priority)
+        max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens,
+                                        limit=self.limits.max_tokens_limit, field_name=parsed.max_tokens_field)
+        request_id = uuid.uuid4().hex
+        logger.debug("request %s is the client's %r", request_id, client_id)
+        return PreparedRequest(request_id, ids, parsed.sampling_params(max_tokens), parsed.priority, client_id)
 
-    def stream(self, req: PreparedRequest, *, api: str, deadline: float | None = None) -> RequestStream:
-        """``deadline`` is a ``time.monotonic()`` instant."""
-        return RequestStream(self, req, api, deadline)
+    def stream(self, req: PreparedRequest, *, api: str, deadline: float | None = None,
+               scope: str = "") -> RequestStream:
+        """``deadline`` is the client's ``time.monotonic()`` instant (None: none); the earlier of it
+        and ``limits.request_timeout_s`` from now applies. ``scope`` is the client's tenant: client
+        ids must be unique among the live requests of one scope only."""
+        timeout = self.limits.request_timeout_s
+        if timeout is not None:
+            server_deadline = time.monotonic() + timeout
+            deadline = server_deadline if deadline is None else min(deadline, server_deadline)
+        return RequestStream(self, req, api, deadline, scope)
+
+    def server_id(self, client_id: str, scope: str = "") -> str | None:
+        """The server's id of the live request the client calls ``client_id`` (operators, tests)."""
+        return self._live_ids.get((scope, client_id))
+
+    def _claim_id(self, scope: str, client_id: str, server_id: str) -> tuple[str, str]:
+        key = (scope, client_id)
+        if key in self._live_ids:
+            raise DuplicateRequestIdError(
+                f"request_id '{client_id}' is already used by a request of yours that is still running; "
+                "give every concurrent request its own id (or reuse it once that request ended)")
+        self._live_ids[key] = server_id
+        return key
+
+
+def client_scope(authorization: str | None) -> str:
+    """The scope of a client's request ids: a digest of its credential ("" without one), so that
+    tenants with different API keys never see each other's ids; the key itself is not kept."""
+    if not authorization:
+        return ""
+    return hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 class RequestStream:
     """One request's output. Use as ``async with serving.stream(req, api=...) as events``."""
 
-    def __init__(self, serving: Serving, req: PreparedRequest, api: str, deadline: float | None) -> None:
+    def __init__(self, serving: Serving, req: PreparedRequest, api: str, deadline: float | None,
+                 scope: str = "") -> None:
         self._s = serving
         self._req = req
         self._api = api
         self._deadline = deadline
+        self._scope = scope
+        self._id_key: tuple[str, str] | None = None
         self._gen: AsyncIterator | None = None
         self._events_gen: AsyncIterator | None = None
         self._backend_done = False
@@ -122,6 +189,8 @@ class RequestStream:
         if self._deadline is not None and self._deadline <= time.monotonic():
             raise DeadlineExceededError("the request's deadline passed before it was admitted")
         try:
+            if self._req.client_id:
+                self._id_key = self._s._claim_id(self._scope, self._req.client_id, self._req.request_id)
             if self._deadline is None:
                 await self._s.admission.acquire()
             else:
@@ -129,29 +198,48 @@ class RequestStream:
                     async with asyncio.timeout_at(self._loop_deadline()):
                         await self._s.admission.acquire()
                 except TimeoutError:
-                    raise DeadlineExceededError("the request's deadline passed while it waited for a slot") from None
-        except PdserveError as exc:
-            self._s.metrics.observe_request(self._api, exc.error_type)
+                    raise DeadlineExceededError(f"the request's deadline passed while it waited for a slot "
+                                        f"({self._timeout_text()}); retry later") from None
+        except BaseException as exc:
+            self._release_id()
+            if isinstance(exc, PdserveError):
+                self._s.metrics.observe_request(self._api, exc.error_type)
             raise
         r = self._req
         self._gen = self._s.backend.generate(
-            GenerateRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, self._deadline))
+            GenerateRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, self._deadline, r.client_id))
         self._events_gen = self._events()
         return self._events_gen
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         try:
-            if not self._backend_done:
-                await asyncio.shield(self._s.backend.abort(self._req.request_id))
-            if self._events_gen is not None:
-                await self._events_gen.aclose()
-            if self._gen is not None:
-                await self._gen.aclose()
+            # Shielded as a whole: a cancel arriving meanwhile (a gRPC deadline that passes as the
+            # server's own fires) must not cut the backend's cleanup short (its ledger steps).
+            await asyncio.shield(self._close_backend())
         finally:
             self._s.admission.release()
+            self._release_id()
             if isinstance(exc, PdserveError):
                 self._outcome = exc.error_type
             self._s.metrics.observe_request(self._api, self._outcome)
+
+    async def _close_backend(self) -> None:
+        if not self._backend_done:
+            await self._s.backend.abort(self._req.request_id)
+        if self._events_gen is not None:
+            await self._events_gen.aclose()
+        if self._gen is not None:
+            await self._gen.aclose()
+
+    def _timeout_text(self) -> str:
+        limit = self._s.limits.request_timeout_s
+        return (f"the server allows {limit:g} s, a client deadline may be shorter" if limit is not None
+                else "the client's deadline")
+
+    def _release_id(self) -> None:
+        if self._id_key is not None:
+            self._s._live_ids.pop(self._id_key, None)
+            self._id_key = None
 
     def _loop_deadline(self) -> float:
         """The deadline on the event loop's clock."""
@@ -164,7 +252,8 @@ class RequestStream:
             async with asyncio.timeout_at(self._loop_deadline()):
                 return await anext(self._gen)
         except TimeoutError:
-            raise DeadlineExceededError("the request's deadline passed before it finished") from None
+            raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
+                                        "ask for fewer tokens (max_tokens) or allow a longer deadline") from None
 
     async def _drain(self) -> Finished | None:
         """After an abort: the backend's Finished (for its phase record), or None if it is slow."""

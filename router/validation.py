@@ -28,6 +28,9 @@ from pdserve.router.errors import InvalidParameterError
 
 MAX_TEMPERATURE = 2.0
 MAX_REQUEST_ID_CHARS = 128
+# Prompt text longer than max_model_len * this is refused before tokenizing: real text averages
+# 3-5 characters per token, and even long runs of spaces or symbols seldom merge past 16-32.
+MAX_CHARS_PER_TOKEN = 32
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_REQUEST_ID_CHARS)
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -54,6 +57,7 @@ class ParsedRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # the field the client set it with (errors name it)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens
     stream: bool = False
     include_usage: bool = False
@@ -129,10 +133,11 @@ def check_model(requested: str | None, served: str) -> None:
         raise err
 
 
-def check_request_id(request_id: str) -> str:
+def check_request_id(request_id: str, param: str = "request_id") -> str:
+    """A client's own request id: opaque to the server (any printable ASCII, '#' included)."""
     if not _REQUEST_ID_RE.match(request_id):
-        raise _bad("request_id", f"request_id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                                 "without spaces")
+        raise _bad(param, f"{param} must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                          "without spaces")
     return request_id
 
 
@@ -216,9 +221,11 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
             raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
         include_usage = bool(_opt_bool(options, "include_usage"))
     max_tokens = _opt_int(body, "max_tokens", lo=1)
-    if chat:
-        max_tokens = _opt_int(body, "max_completion_tokens", lo=1) or max_tokens
+    max_tokens_field = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                max_tokens_field=max_tokens_field,
                 sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
 
 
@@ -287,17 +294,47 @@ def check_prompt_tokens(token_ids: list[int], vocab_size: int, max_model_len: in
             param="prompt", code="context_length_exceeded")
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
-    """``max_tokens`` checked against the room the context leaves; ``default`` None means all of it."""
+def max_prompt_chars(max_model_len: int) -> int:
+    """The longest prompt text worth tokenizing: ``MAX_CHARS_PER_TOKEN`` per token of context."""
+    return max_model_len * MAX_CHARS_PER_TOKEN
+
+
+def check_prompt_chars(parsed: ParsedRequest, max_model_len: int) -> None:
+    """Refuse, before tokenizing, prompt text too long to fit the context even at the most
+    characters a token can plausibly hold (tokenizing megabytes takes seconds of the router)."""
+    bound = max_prompt_chars(max_model_len)
+    if parsed.prompt_text is not None:
+        chars, param = len(parsed.prompt_text), "prompt"
+    elif parsed.messages is not None:
+        chars, param = sum(len(m.get("content") or "") for m in parsed.messages), "messages"
+    else:
+        return
+    if chars > bound:
+        raise InvalidParameterError(
+            f"the {param} has {chars} characters; this model's context length is {max_model_len} tokens, "
+            f"so at most {bound} characters are accepted ({MAX_CHARS_PER_TOKEN} per token); "
+            "shorten it", param=param, code="context_length_exceeded")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
+                       *, limit: int | None = None, field_name: str = "max_tokens") -> int:
+    """``max_tokens`` checked against the server's ``limit`` and the room the context leaves;
+    when unset: ``default`` (None means all the room), capped by ``limit`` and the room."""
     room = max_model_len - prompt_len
     if requested is None:
-        return room if default is None else min(default, room)
+        caps = [c for c in (default, limit) if c is not None]
+        return min([room, *caps])
+    if limit is not None and requested > limit:
+        raise InvalidParameterError(
+            f"'{field_name}' is {requested}, above this server's limit of {limit} "
+            f"(router.max_tokens_limit); ask for at most {limit} tokens",
+            param=field_name, code="max_tokens_exceeded")
     if requested > room:
         raise InvalidParameterError(
             f"this model's context length is {max_model_len} tokens, but the prompt ({prompt_len} tokens) "
-            f"plus max_tokens ({requested}) needs {prompt_len + requested}; "
-            f"lower max_tokens to at most {room} or shorten the prompt",
-            param="max_tokens", code="context_length_exceeded")
+            f"plus {field_name} ({requested}) needs {prompt_len + requested}; "
+            f"lower {field_name} to at most {room} or shorten the prompt",
+            param=field_name, code="context_length_exceeded")
     return requested
 
 

@@ -156,7 +156,11 @@ def test_request_ended_by_its_prefill_frees_its_ledger_entry_at_once(cluster: Cl
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
     assert extra(r)["token_ids"] == cluster.ref[SHORT_PROMPT][1][:1]
     wait_until(lambda: not cluster.ledger_active(), 5.0, "the ledger entry freed (lease is 120 s)")
-    entry = cluster.service.ledger.get(f"{r.id}#1")
+    # The ledger keys the router's own id; the request log maps the client's id to it.
+    records: list = []
+    wait_until(lambda: records.extend(x for x in cluster.service.request_log.tail(50)
+                                      if x.get("client_request_id") == r.id) or records, 5.0, "the request logged")
+    entry = cluster.service.ledger.get(f"{records[0]['request_id']}#1")
     assert entry is not None and entry.state.value == "FREED" and entry.held_sides() == ()
 
 

@@ -151,7 +151,8 @@ def holder_of(h: ClusterHarness, load: Load, timeout_s: float):
 
     def streaming() -> bool:
         rid = load.current_rid
-        workers = h.service.backend.placement(rid) if rid else None
+        server_id = h.service.serving.server_id(rid) if rid else None  # the router's own id
+        workers = h.service.backend.placement(server_id) if server_id else None
         member = h.service.pool.members.get(workers[0]) if workers else None
         found[:] = [member] if member is not None and member.view.alive else []
         return bool(found)
