@@ -88,9 +88,15 @@ def _opt_number(body: dict, name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"'{name}' must be a finite number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, f"'{name}' must be a finite number, got {type(value).__name__} {_clip(repr(value))}")
+    try:
+        number = float(value)  # an integer past 1.8e308 overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(name, f"'{name}' must be a finite number, got {_clip(repr(value))}")
+    return number
 
 
 def _opt_bool(body: dict, name: str) -> bool | None:

@@ -246,6 +246,13 @@ def test_booleans_are_not_integers_and_integers_are_not_booleans(server: Server,
     assert reply.body["error"]["param"] == field
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_an_integer_too_large_for_a_float_is_400(server: Server, field: str) -> None:
+    body = b'{"prompt": "hi", "max_tokens": 2, "' + field.encode() + b'": ' + b"9" * 400 + b"}"  # found by fuzzing
+    reply = send(server.port, body)
+    assert reply.status == 400 and reply.body["error"]["param"] == field, reply.body
+
+
 def test_a_long_model_name_is_not_echoed_back_whole(server: Server) -> None:
     reply = send(server.port, body_with(model="m" * 500_000))
     assert_refused(reply, 404, "(500000 characters)")
