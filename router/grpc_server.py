@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,6 +37,43 @@ _PRIORITY = {pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE, pb.PRIORITY_INTERACT
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
+
+
+class MalformedMessage:
+    """A request whose bytes are no valid message (corrupt wire format, bad UTF-8 in a string)."""
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.type_name = type_name
+        self.reason = reason
+
+    def error(self) -> errors.InvalidParameterError:
+        return errors.InvalidParameterError(f"the request is not a valid {self.type_name}: {self.reason[:200]}")
+
+
+def _lenient(message_type):  # -> Callable[[bytes], message | MalformedMessage]
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return MalformedMessage(message_type.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
+def add_generation_service(servicer: GenerationService, server: grpc.aio.Server) -> None:
+    """``add_GenerationServicer_to_server`` whose request parsing cannot fail: a malformed request
+    reaches the method as ``MalformedMessage`` and is refused with INVALID_ARGUMENT (gRPC itself
+    would answer UNKNOWN and log a traceback for each one)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
@@ -108,6 +146,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             self._check_auth(context)
+            if isinstance(request, MalformedMessage):
+                raise request.error()
             rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
             prepared = await self._serving.prepare(parsed_from_proto(request), rid, default_max_tokens=16)
             remaining = context.time_remaining()
@@ -133,6 +173,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             self._check_auth(context)
+            if isinstance(request, MalformedMessage):
+                raise request.error()
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             await self._fail(context, exc)
         info = self._serving.info
@@ -185,7 +227,7 @@ async def start_grpc_server(serving: Serving, *, host: str = "127.0.0.1", port: 
     """Start serving; ``port=0`` picks a free port (see ``GrpcServer.port``)."""
     limit = max_message_bytes(serving.info.max_model_len)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(serving, auth), server)
+    add_generation_service(GenerationService(serving, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
