@@ -152,7 +152,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             prepared = await self._serving.prepare(parsed_from_proto(request), rid, default_max_tokens=16)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
-            scope = client_scope(self._metadata(context).get("authorization"))
+            # Ids are scoped per API key; without authentication every client shares one scope.
+            scope = client_scope(self._metadata(context).get("authorization")) if self._auth.enabled else ""
             async with self._serving.stream(prepared, api="grpc", deadline=deadline, scope=scope) as events:
                 async for ev in events:
                     if not isinstance(ev, Final):

@@ -116,7 +116,10 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                               logprobs=prepared.params.logprobs)
-    async with serving.stream(prepared, api="http", scope=client_scope(request.headers.get("Authorization"))) as events:
+    # Ids are scoped per API key; without authentication every client shares one scope.
+    auth = request.app[_AUTH]
+    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    async with serving.stream(prepared, api="http", scope=scope) as events:
         if not parsed.stream:
             chunks: list[Chunk] = []
             async for ev in events:
