@@ -105,7 +105,10 @@ def _requests(args: argparse.Namespace) -> int:
 
 def _format_request(r: dict) -> str:
     ttft = r.get("ttft_s")
-    return (f"{r.get('request_id', '?'):40s} {r.get('finish_reason', '?'):7s} "
+    # The id the client knows (its own, or the one its response carried) leads the line; the
+    # server's internal id is in the --json record.
+    shown = r.get("client_request_id") or r.get("request_id", "?")
+    return (f"{shown:40s} {r.get('finish_reason', '?'):7s} "
             f"prompt {r.get('prompt_tokens', 0):5d} (cached {r.get('cached_prompt_tokens', 0):5d}) "
             f"out {r.get('output_tokens', 0):5d}  ttft {'-' if ttft is None else f'{ttft:.3f}s'}  "
             f"total {r.get('total_s', 0):.3f}s  kv {r.get('kv_bytes', 0) / 1e6:.2f}MB/{r.get('kv_transfer_s', 0):.4f}s  "
