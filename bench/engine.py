@@ -63,6 +63,7 @@ class Settings:
     hf: bool = True
     quick: bool = False
     attention: str = "auto"   # engine.attention_backend, or "both": native and sdpa side by side
+    linear: str = "auto"      # engine.linear_backend
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -81,20 +82,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.quick:
         return Settings(dtypes, args.threads, prompt_len=32, decode_tokens=8, warmup_steps=1, prefill_repeats=1,
                         buffer_bytes=512 << 20, hw_repeats=3, hf=not args.no_hf, quick=True,
-                        attention=args.attention)
-    return Settings(dtypes, args.threads, hf=not args.no_hf, attention=args.attention)
+                        attention=args.attention, linear=args.linear)
+    return Settings(dtypes, args.threads, hf=not args.no_hf, attention=args.attention, linear=args.linear)
 
 
 # ------------------------------------------------------------------------------- pdserve engine
 def _make_engine(model_dir: Path, dtype: str, threads: int, cost: ModelCost, max_tokens: int,
-                 attention: str = "auto"):
+                 attention: str = "auto", linear: str = "auto"):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     kv_gb = max(0.05, 1.1 * max_tokens * cost.kv_bytes_per_token(dtype) / (1 << 30))
     return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, kv_cache_memory_gb=kv_gb, max_num_seqs=64,
                                   max_num_batched_tokens=2048, num_threads=threads,
-                                  attention_backend="native" if attention == "both" else attention))
+                                  attention_backend="native" if attention == "both" else attention,
+                                  linear_backend=linear))
 
 
 class EngineDecode:
@@ -243,7 +245,8 @@ def bench_medium(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, bw_
     import torch
 
     prompts = _prompts(torch.Generator().manual_seed(1), _vocab(model_dir), 1, st.prompt_len)
-    engine = _make_engine(model_dir, dtype, st.threads, cost, st.prompt_len + st.decode_tokens + 64, st.attention)
+    engine = _make_engine(model_dir, dtype, st.threads, cost, st.prompt_len + st.decode_tokens + 64, st.attention,
+                          st.linear)
     model = load_hf(model_dir, dtype) if st.hf else None
     wbytes = cost.weight_bytes_per_token(dtype)
     weights_like = torch.ones(wbytes // 4)   # read once per step: the roofline, under the same load
@@ -264,8 +267,9 @@ def bench_small(model_dir: Path, cost: ModelCost, dtype: str, st: Settings, peak
     gen = torch.Generator().manual_seed(2)
     vocab = _vocab(model_dir)
     max_tokens = max(st.batches) * (st.prompt_len + st.decode_tokens + st.warmup_steps + 64) + max(st.prefill_lens)
-    engine = _make_engine(model_dir, dtype, st.threads, cost, max_tokens, st.attention)
-    sdpa = _make_engine(model_dir, dtype, st.threads, cost, max_tokens, "sdpa") if st.attention == "both" else None
+    engine = _make_engine(model_dir, dtype, st.threads, cost, max_tokens, st.attention, st.linear)
+    sdpa = (_make_engine(model_dir, dtype, st.threads, cost, max_tokens, "sdpa", st.linear)
+            if st.attention == "both" else None)
     model = load_hf(model_dir, dtype) if st.hf else None
     decode = []
     for b in st.batches:
@@ -386,6 +390,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     p.add_argument("--attention", choices=("auto", "native", "sdpa", "both"), default="auto",
                    help="decode attention backend; both: native and sdpa side by side (default: auto)")
+    p.add_argument("--linear", choices=("auto", "dense", "packed", "gemv"), default="auto",
+                   help="matmul kernels (engine.linear_backend; default: auto, timed per machine)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -114,10 +114,11 @@ class EngineSettings(_Settings):
     num_threads: int | None = Field(None, ge=1, description="Torch intra-op threads per replica; "
                                     "default: the pool's num_cpus rounded down (the worker is pinned to "
                                     "that many cores of its own while its host has them free).")
-    linear_backend: Literal["auto", "dense", "packed"] = Field(
-        "auto", description="Matmul kernels: 'auto' times dense (torch mm/addmm) and oneDNN-packed "
-        "linears on the model's shapes at start and keeps the fastest that agrees with float32, per "
-        "call, cached per CPU/dtype/shape in ~/.cache/pdserve/kernels.json; 'dense'/'packed' force one.")
+    linear_backend: Literal["auto", "dense", "packed", "gemv"] = Field(
+        "auto", description="Matmul kernels: 'auto' times dense (torch mm/addmm), oneDNN-packed "
+        "linears and gemv (the C++ kernel of `make setup` for calls of <= 8 rows, dense above) on the "
+        "model's shapes at start and keeps the fastest that agrees with float32, per call, cached per "
+        "CPU/dtype/shape in ~/.cache/pdserve/kernels.json; 'dense'/'packed'/'gemv' force one.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs; 'cuda' needs "
                                            "num_gpus > 0 in the pool.")
     attention_backend: Literal["auto", "native", "sdpa"] = Field(

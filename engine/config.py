@@ -56,7 +56,7 @@ class EngineConfig:
     policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
     mode: EngineMode = EngineMode.COLOCATED
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
-    linear_backend: str = "auto"      # "auto" (timed per machine, engine/kernel_select.py) | "dense" | "packed"
+    linear_backend: str = "auto"      # "auto" (timed per machine, engine/kernel_select.py) | "dense" | "packed" | "gemv"
     attention_backend: str = "auto"   # "auto" | "native" (C++, reads the paged cache in place) | "sdpa"
     seed: int = 0
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
@@ -66,8 +66,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.linear_backend not in ("auto", "dense", "packed"):
-            raise ValueError(f"linear_backend must be 'auto', 'dense' or 'packed', got {self.linear_backend!r}")
+        if self.linear_backend not in ("auto", "dense", "packed", "gemv"):
+            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed' or 'gemv', "
+                             f"got {self.linear_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -3,9 +3,11 @@
 At engine start, for each hot call of a decoder layer (``qkv``, ``o_add``, ``mlp_add``) and the
 output projection (``lm_head``):
 1. build every candidate backend ("dense": torch mm/addmm on transposed weights; "packed":
-   oneDNN-packed weights with fused epilogues) from the model's own first-layer weights;
-2. check that each agrees with the reference (dense matmuls in float32 on the same weights);
-   a candidate that disagrees or fails is dropped;
+   oneDNN-packed weights with fused epilogues; "gemv": ``torch.ops.pdserve.gemv`` on dense's
+   transposed weights for M <= 8, dense's mm/addmm on the same tensors above, offered only when
+   the kernel library is built) from the model's own first-layer weights;
+2. check that each agrees with the reference (dense matmuls in float32 on the same weights) at
+   every timed M; a candidate that disagrees or fails is dropped;
 3. time each on the real shapes, decode ``M`` in ``DECODE_M`` and one prefill ``M``, best of
    ``repeats`` (min: a shared machine only ever adds time);
 4. score = mean over the ``M``s of time relative to the default backend; switch away from the
@@ -45,7 +47,7 @@ PREFILL_M = 256
 SWITCH_MARGIN = 0.05
 REPEATS = 5
 CACHE_FILE = "kernels.json"
-_FORMAT = 1
+_FORMAT = 2   # 2: "gemv" joined the candidates; entries of format 1 are dropped and measured again
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +60,12 @@ class KernelChoice:
     rejected: dict[str, str] = field(default_factory=dict)                            # "op/backend" -> why
 
     def __post_init__(self) -> None:
-        if set(self.backends) != set(OPS) or not set(self.backends.values()) <= {"dense", "packed"}:
-            raise ValueError(f"a kernel choice names dense/packed for each of {OPS}, got {self.backends}")
+        if set(self.backends) != set(OPS) or not set(self.backends.values()) <= {"dense", "packed", "gemv"}:
+            raise ValueError(f"a kernel choice names dense/packed/gemv for each of {OPS}, got {self.backends}")
 
     @property
     def summary(self) -> str:
-        """"dense", "packed", or "mixed" when the calls differ."""
+        """"dense", "packed", "gemv", or "mixed" when the calls differ."""
         kinds = set(self.backends.values())
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
@@ -143,8 +145,12 @@ class KernelCache:
         return data if isinstance(data, dict) and data.get("format") == _FORMAT else {"format": _FORMAT}
 
 
-def cache_key(dtype: str, threads: int, shapes: dict[str, int]) -> tuple[str, dict[str, object]]:
-    fields = {**machine_key(), "dtype": dtype, "threads": threads, "shapes": shapes, "m": [*DECODE_M, PREFILL_M]}
+def cache_key(dtype: str, threads: int, shapes: dict[str, int],
+              candidates: list[str] | None = None) -> tuple[str, dict[str, object]]:
+    """The entry's key (a hash) and the fields it hashes; ``candidates`` are the backends offered
+    here, so a host that gains or loses the gemv library measures again."""
+    fields = {**machine_key(), "dtype": dtype, "threads": threads, "shapes": shapes, "m": [*DECODE_M, PREFILL_M],
+              "format": _FORMAT, "candidates": sorted(candidates or ["dense"])}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24], fields
 
 
@@ -154,19 +160,17 @@ def select_kernels(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtyp
     """The fastest agreeing backend of each call on these weights' shapes (CPU), cached."""
     import torch
 
-    from pdserve.engine.linear import packed_available
-
     name = str(dtype).removeprefix("torch.")
     shapes = {"hidden": layer.qkv.shape[1], "qkv": layer.qkv.shape[0], "attn": layer.o.shape[1],
               "inter": layer.down.shape[1], "vocab": lm_head.shape[0]}
-    key, fields = cache_key(name, torch.get_num_threads(), shapes)
+    candidates = available_backends(dtype)
+    key, fields = cache_key(name, torch.get_num_threads(), shapes, candidates)
     with (cache.locked() if cache else contextlib.nullcontext({})) as entries:
         if (hit := entries.get(key)) is not None:
             backends = {op: hit["backends"][op] for op in OPS if op in hit["backends"]}
             choice = KernelChoice(backends, "cache", hit.get("timings_us", {}), hit.get("rejected", {}))
             logger.info("kernels for %s: %s", name, choice.describe())
             return choice
-        candidates = ["dense"] + (["packed"] if packed_available(dtype, torch.device("cpu")) else [])
         t0 = time.perf_counter()
         choice = measure(layer, lm_head, dtype, candidates, default_backend(dtype, candidates), repeats)
         entries.setdefault("format", _FORMAT)
@@ -174,6 +178,17 @@ def select_kernels(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtyp
     logger.info("kernels for %s: %s, measured in %.1f s; timings (µs) %s", name, choice.describe(),
                 time.perf_counter() - t0, choice.timings_us)
     return choice
+
+
+def available_backends(dtype: torch.dtype) -> list[str]:
+    """The backends that run on this CPU for ``dtype``: dense always, packed when oneDNN's packed
+    linear works, gemv when the kernel library is built (its absence is logged once)."""
+    import torch
+
+    from pdserve.engine.linear import gemv_available, packed_available
+
+    return (["dense"] + (["packed"] if packed_available(dtype, torch.device("cpu")) else [])
+            + (["gemv"] if dtype in (torch.float32, torch.bfloat16) and gemv_available() else []))
 
 
 def default_backend(dtype: torch.dtype, candidates: list[str]) -> str:
@@ -236,7 +251,7 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
 
     import torch
 
-    from pdserve.engine.linear import DenseLinear, LmHead, PackedLinear
+    from pdserve.engine.linear import DenseLinear, GemvLinear, LmHead, PackedLinear
 
     gen = torch.Generator().manual_seed(0)
     m_max = PREFILL_M
@@ -246,10 +261,10 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
     x = torch.randn(m_max, hidden, generator=gen).to(dtype)
     f32 = dataclasses.replace(layer, **{f.name: getattr(layer, f.name).float() for f in dataclasses.fields(layer)
                                         if getattr(layer, f.name) is not None})
-    impls = {"reference": (DenseLinear(f32), LmHead(lm_head.float(), False), torch.float32)}
+    impls = {"reference": (DenseLinear(f32), LmHead(lm_head.float(), "dense"), torch.float32)}
+    layer_impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear}
     for backend in candidates:
-        mm = PackedLinear(layer) if backend == "packed" else DenseLinear(layer)
-        impls[backend] = (mm, LmHead(lm_head, backend == "packed"), dtype)
+        impls[backend] = (layer_impls[backend](layer), LmHead(lm_head, backend), dtype)
     out: dict[str, dict[str, _Call]] = {op: {} for op in OPS}
     for backend, (mm, head, dt) in impls.items():
         hh, aa, xx = h.to(dt), a.to(dt), x.to(dt)
@@ -261,11 +276,11 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
 
 
 def _disagreement(calls: dict[str, dict[str, _Call]], op: str, backend: str, tol: float) -> str:
-    """"" when ``backend`` matches the reference on ``op`` (decode and prefill M), else why not."""
+    """"" when ``backend`` matches the reference on ``op`` at every timed M, else why not."""
     import torch
 
     with torch.inference_mode():
-        for m in (DECODE_M[-1], PREFILL_M):
+        for m in (*DECODE_M, PREFILL_M):
             ref = calls[op]["reference"](m).float()
             try:
                 got = calls[op][backend](m).float()

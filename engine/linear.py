@@ -10,13 +10,19 @@ Both expose the same three calls, so the layer never branches on the backend:
     o_add(a, x)      -> x + a @ W_o^T (+ bias)                  the residual after attention
     mlp_add(h, x)    -> x + (silu(h @ W_gate^T) * (h @ W_up^T)) @ W_down^T
 
+``GemvLinear`` keeps DenseLinear's ``[in, out]`` tensors and, for calls of at most
+``GEMV_MAX_ROWS`` rows (batch-1 decode), runs ``torch.ops.pdserve.gemv`` on them (the C++ kernel
+streams the weight once, fp32 accumulation, bias/residual fused); more rows take DenseLinear's
+``mm``/``addmm`` on the same tensors, so it holds one copy of each weight.
+
 ``MixedLinear`` takes each call from the backend ``engine/kernel_select.py`` measured fastest for
-it on this machine; ``make_layer_linear`` builds whichever of the three a choice needs. Each
+it on this machine; ``make_layer_linear`` builds whichever of the four a choice needs. Each
 backend builds only the weights of the calls it serves (``ops``), so no weight is held twice.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,6 +33,8 @@ from pdserve.engine.loader import LayerWeights
 logger = logging.getLogger(__name__)
 
 LAYER_OPS = frozenset({"qkv", "o_add", "mlp_add"})
+BACKENDS = ("dense", "packed", "gemv")
+GEMV_MAX_ROWS = 8   # torch.ops.pdserve.gemv takes 1..8 rows
 
 
 class DenseLinear:
@@ -85,31 +93,76 @@ class PackedLinear:
         return self.op.binary(self.op.binary(h, g, self.up_w, None, "mul"), x, self.down_w, None, "add")
 
 
+class GemvLinear(DenseLinear):
+    """DenseLinear's weights; calls of 1..``GEMV_MAX_ROWS`` rows run ``torch.ops.pdserve.gemv`` (CPU,
+    fp32/bf16; needs the kernel library, see ``gemv_available``), larger ones DenseLinear's matmuls."""
+
+    __slots__ = ("_gemv",)
+
+    def __init__(self, w: LayerWeights, ops: frozenset[str] = LAYER_OPS) -> None:
+        super().__init__(w, ops)
+        self._gemv = torch.ops.pdserve.gemv
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        if not 0 < h.shape[0] <= GEMV_MAX_ROWS:
+            return super().qkv(h)
+        return self._gemv(h, self.qkv_t, self.qkv_b)
+
+    def o_add(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if not 0 < a.shape[0] <= GEMV_MAX_ROWS:
+            return super().o_add(a, x)
+        return self._gemv(a, self.o_t, x if self.o_b is None else x + self.o_b)
+
+    def mlp_add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if not 0 < h.shape[0] <= GEMV_MAX_ROWS:
+            return super().mlp_add(h, x)
+        gu = self._gemv(h, self.gate_up_t, None)
+        return self._gemv(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down_t, x)
+
+
 class MixedLinear:
-    """Each of the three calls from its own backend (``choice`` maps a call to "dense"/"packed")."""
+    """Each of the three calls from its own backend (``choice`` maps a call to one of ``BACKENDS``)."""
 
     __slots__ = ("qkv", "o_add", "mlp_add", "backends")
 
     def __init__(self, w: LayerWeights, choice: dict[str, str]) -> None:
         self.backends = {op: choice[op] for op in sorted(LAYER_OPS)}
-        packed_ops = frozenset(op for op, b in self.backends.items() if b == "packed")
-        dense = DenseLinear(w, LAYER_OPS - packed_ops)
-        packed = PackedLinear(w, packed_ops)
-        pick = lambda op: getattr(packed if op in packed_ops else dense, op)  # noqa: E731
+        ops_of = lambda name: frozenset(op for op, b in self.backends.items() if b == name)  # noqa: E731
+        impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear}
+        built = {name: impls[name](w, ops_of(name)) for name in BACKENDS if ops_of(name)}
+        pick = lambda op: getattr(built[self.backends[op]], op)  # noqa: E731
         self.qkv, self.o_add, self.mlp_add = pick("qkv"), pick("o_add"), pick("mlp_add")
 
 
-def make_layer_linear(w: LayerWeights, choice: dict[str, str]) -> DenseLinear | PackedLinear | MixedLinear:
-    """The layer's matmuls as ``choice`` (call -> "dense"|"packed") says; unknown names raise."""
-    bad = {op: b for op, b in choice.items() if b not in ("dense", "packed")}
+def make_layer_linear(w: LayerWeights,
+                      choice: dict[str, str]) -> DenseLinear | PackedLinear | GemvLinear | MixedLinear:
+    """The layer's matmuls as ``choice`` (call -> "dense"|"packed"|"gemv") says; unknown names raise."""
+    bad = {op: b for op, b in choice.items() if b not in BACKENDS}
     if bad or not LAYER_OPS <= choice.keys():
-        raise ValueError(f"a linear choice needs dense/packed for each of {sorted(LAYER_OPS)}, got {choice}")
+        raise ValueError(f"a linear choice needs one of {'/'.join(BACKENDS)} for each of {sorted(LAYER_OPS)}, "
+                         f"got {choice}")
     backends = {choice[op] for op in LAYER_OPS}
     if backends == {"dense"}:
         return DenseLinear(w)
     if backends == {"packed"}:
         return PackedLinear(w)
+    if backends == {"gemv"}:
+        return GemvLinear(w)
     return MixedLinear(w, choice)
+
+
+@functools.cache
+def gemv_available() -> bool:
+    """True when ``torch.ops.pdserve.gemv`` is loaded (the kernel library built by ``make setup``);
+    otherwise logs once why gemv is not a matmul candidate."""
+    from pdserve.engine.kernels import load
+
+    status = load()
+    if status.available and hasattr(torch.ops.pdserve, "gemv"):
+        return True
+    logger.info("gemv matmul backend unavailable (%s); batch-1 calls use dense/packed matmuls",
+                status.reason if not status.available else "library has no gemv op")
+    return False
 
 
 def packed_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -135,15 +188,28 @@ def packed_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class LmHead:
-    """``x @ W^T`` for the output projection, packed like the layers when they are."""
+    """``x @ W^T`` for the output projection: "dense" (``F.linear`` on W itself, which may be the
+    tied embedding), "packed" (oneDNN), or "gemv" (W transposed ``[hidden, vocab]``: the gemv kernel
+    for 1..``GEMV_MAX_ROWS`` rows, ``mm`` on the same tensor above)."""
 
-    __slots__ = ("w", "packed")
+    __slots__ = ("w", "backend")
 
-    def __init__(self, w: torch.Tensor, packed: bool) -> None:
-        self.packed = packed
-        self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) if packed else w
+    def __init__(self, w: torch.Tensor, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"lm_head backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        if backend == "packed":
+            self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+        elif backend == "gemv":
+            self.w = w.t().contiguous()
+        else:
+            self.w = w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.backend == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
+        if self.backend == "gemv":
+            if 0 < x.shape[0] <= GEMV_MAX_ROWS:
+                return torch.ops.pdserve.gemv(x, self.w, None)
+            return torch.mm(x, self.w)
         return F.linear(x, self.w)

@@ -19,7 +19,7 @@ from pdserve.engine.attention import PagedKVCache
 from pdserve.engine.layers import DecoderLayer, RotaryTables
 from pdserve.engine.dtype_probe import resolve_dtype
 from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
-from pdserve.engine.linear import LmHead, packed_available
+from pdserve.engine.linear import LmHead, gemv_available, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,13 @@ class ModelRunner:
         """``dtype``: "float32", "bfloat16" or "auto" (bf16 where this machine computes it natively,
         see ``engine/dtype_probe.py``).
         ``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
-        epilogues, CPU only) or "auto" (each matmul call timed on this machine's real shapes at
+        epilogues, CPU only), "gemv" (the C++ few-row kernel for calls of <= 8 rows, dense above; CPU,
+        needs the kernel library) or "auto" (each matmul call timed on this machine's real shapes at
         start, the fastest that agrees with float32 kept and cached: ``engine/kernel_select.py``).
         ``attention_backend``: "native" (C++ decode attention reading the paged cache in place),
         "sdpa" (gather + torch SDPA) or "auto" (native when its library is built, on CPU)."""
-        if linear_backend not in ("auto", "dense", "packed"):
-            raise ValueError(f"linear_backend must be 'auto', 'dense' or 'packed', got {linear_backend!r}")
+        if linear_backend not in ("auto", "dense", "packed", "gemv"):
+            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed' or 'gemv', got {linear_backend!r}")
         if dtype not in (*_DTYPES, "auto"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
         if block_size < 1:
@@ -82,7 +83,7 @@ class ModelRunner:
         # the layers keep their own (transposed or packed) copies; drop each plain one as we go
         self.layers = [DecoderLayer(self.weights.layers.pop(0), spec, self.kernels.backends)
                        for _ in range(spec.num_layers)]
-        self.lm_head = LmHead(self.weights.lm_head, self.kernels.backends["lm_head"] == "packed")
+        self.lm_head = LmHead(self.weights.lm_head, self.kernels.backends["lm_head"])
         self.rope = RotaryTables(spec, spec.max_position_embeddings, self.dtype, device)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
         self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
@@ -100,6 +101,10 @@ class ModelRunner:
             if not packed_available(self.dtype, self.device):
                 raise ValueError("linear_backend='packed' needs a CPU with oneDNN's packed linear")
             return forced("packed")
+        if linear_backend == "gemv":
+            if not gemv_available():
+                raise ValueError("linear_backend='gemv' needs the C++ kernel library (run `make setup`)")
+            return forced("gemv")
         return select_kernels(self.weights.layers[0], self.weights.lm_head, self.dtype, KernelCache())
 
     def describe(self) -> dict[str, object]:

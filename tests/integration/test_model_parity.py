@@ -121,6 +121,26 @@ def test_fp32_logits_match_transformers(model_pair, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("dense", "sdpa")])
+def test_fp32_llama_other_kernels_match_transformers(linear, attention):
+    """One Llama case per alternative path, so each stays covered: the gemv matmuls (every decode
+    step here has at most 8 rows) and the gather + SDPA decode attention."""
+    model_dir = ensure_model("tiny")
+    hf = _hf(model_dir)
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=64, num_threads=1,
+                         linear_backend=linear, attention_backend=attention)
+    assert runner.linear_backend == linear
+    if attention == "sdpa":
+        assert runner.attention_backend == "sdpa"
+    rows = 0
+    for ours, ref, _ in run_scenario(runner, hf):
+        scale, diff = float(ref.abs().max()), float((ours - ref).abs().max())
+        assert diff <= 1e-4 * scale, f"{linear}/{attention}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
+        rows += 1
+    assert rows == len(PROMPTS) * 6
+
+
+@pytest.mark.slow
 def test_llama3_scaling_changes_logits():
     """Guards the llama3 parity test: with scaling ignored, logits would differ."""
     plain = ModelRunner(ensure_model("tiny"), block_size=BLOCK, num_blocks=16)
