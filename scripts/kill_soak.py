@@ -1,0 +1,304 @@
+"""Worker kills under load: streams keep their exact tokens, and nothing leaks.
+
+Starts a real cluster on 127.0.0.1 the way the integration tests do (local Ray, a password-
+protected embedded Redis for the ledger, the router with two prefill and two decode workers on
+the generated tiny test model, float32), then:
+
+1. runs ``--requests`` greedy streams (``--concurrency`` at a time, 32-64 tokens each, through
+   the unmodified ``openai`` client over HTTP) with no fault: the reference tokens;
+2. runs the same streams again and, when ``--kill-prefill-at`` / ``--kill-decode-at`` of them
+   have completed, SIGKILLs a prefill worker and then a decode worker, each one that holds a
+   request at that moment if the router's view shows one;
+3. waits (bounded) for the reaper and the workers' timeouts, and counts the ledger's live
+   entries and the KV blocks the surviving workers still hold.
+
+Prints the host's CPU model, the date and one JSON object (requests, completed, failed with
+reasons, token sequences identical to the reference, the router's retries and migrations, what
+was killed when, ledger entries and blocks held after, wall times). Exits 1 if a request failed,
+a token differs, a kill did not happen, or anything was left held. Every wait is bounded; the
+whole run takes about two minutes on two cores.
+
+    .venv/bin/python scripts/kill_soak.py --requests 200 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+# Before torch and ray are imported: one torch thread per process (the cores are shared), Ray on
+# the loopback interface, workers at normal priority, no network look-ups for the model.
+for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    os.environ.setdefault(_key, _value)
+
+from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback  # noqa: E402
+
+use_loopback()
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # the harness the integration tests drive the router with
+
+import ray  # noqa: E402
+from cluster_helpers import ClusterHarness, cluster_config, wait_until  # noqa: E402
+from pdserve.cluster.redis_server import EmbeddedRedis  # noqa: E402
+from pdserve.engine.testmodel import ensure_model  # noqa: E402
+
+logger = logging.getLogger("kill_soak")
+
+WORDS = ("cook ticket dish order table oven pan knife salt bread soup plate rice fire lemon herb "
+         "kitchen window garden river stone paper clock music engine signal lamp harbor market").split()
+STREAM_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 60.0  # reserved blocks whose sender died are freed by the workers' 30 s timeout
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    index: int
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    tokens: list[int] | None = None
+    error: str | None = None
+    attempts: int = 0
+    migrations: int = 0
+
+
+@dataclass(slots=True)
+class Kill:
+    role: str
+    at_completed: int
+    worker_id: str = ""
+    held_a_request: bool = False
+    seconds_into_run: float = 0.0
+
+
+@dataclass(slots=True)
+class RunResult:
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    wall_s: float = 0.0
+    kills: list[Kill] = field(default_factory=list)
+
+
+def make_jobs(n: int, seed: int) -> list[Job]:
+    """``n`` distinct prompts (40-160 words, so most are prefilled in several 64-token chunks)."""
+    rng = random.Random(seed)
+    return [Job(i, f"Order {i}: " + " ".join(rng.choices(WORDS, k=rng.randint(40, 160))) + ".",
+                rng.randint(32, 64)) for i in range(n)]
+
+
+def stream(h: ClusterHarness, job: Job) -> Outcome:
+    """One greedy stream; its token ids and phase record, or the error that ended it."""
+    try:
+        chunks = h.openai(timeout_s=STREAM_TIMEOUT_S).completions.create(
+            model=h.model_name, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        out = Outcome(tokens=[])
+        for chunk in chunks:
+            extra = (chunk.model_extra or {}).get("pdserve") or {}
+            out.tokens.extend(extra.get("token_ids", []))
+            phase = extra.get("phase") or {}
+            out.attempts = int(phase.get("attempts", out.attempts))
+            out.migrations = int(phase.get("migrations", out.migrations))
+        if len(out.tokens) != job.max_tokens:
+            return Outcome(error=f"short stream: {len(out.tokens)} of {job.max_tokens} tokens")
+        return out
+    except Exception as exc:  # a failed request is a result to report, not a crash of the soak
+        return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def kill_one(h: ClusterHarness, kill: Kill, t0: float) -> None:
+    """SIGKILL a worker of ``kill.role``: one holding a request if one shows up within 5 s."""
+    victim = None
+    try:
+        victim = h.wait_busy(kill.role, timeout_s=5.0, poll_s=0.001)
+        kill.held_a_request = True
+    except TimeoutError:
+        members = h.members(kill.role)
+        victim = members[0] if members else None
+    if victim is None:
+        raise RuntimeError(f"no live {kill.role} worker to kill")
+    h.kill(victim)
+    kill.worker_id = victim.worker_id
+    kill.seconds_into_run = round(time.monotonic() - t0, 2)
+    logger.info("killed %s at %d completed (held a request: %s)", victim.worker_id, kill.at_completed,
+                kill.held_a_request)
+
+
+def run(h: ClusterHarness, jobs: list[Job], concurrency: int, kills: list[Kill]) -> RunResult:
+    """All ``jobs``, ``concurrency`` at a time; each kill fires once its count of completions is reached."""
+    result = RunResult(kills=kills)
+    done = threading.Condition()
+    pending = sorted(kills, key=lambda k: k.at_completed)
+    t0 = time.monotonic()
+
+    def one(job: Job) -> None:
+        out = stream(h, job)
+        with done:
+            result.outcomes[job.index] = out
+            done.notify_all()
+
+    def killer() -> None:
+        for kill in pending:
+            with done:
+                done.wait_for(lambda: len(result.outcomes) >= kill.at_completed, timeout=STREAM_TIMEOUT_S * 3)
+            if len(result.outcomes) < len(jobs):
+                kill_one(h, kill, t0)
+
+    thread = threading.Thread(target=killer, name="killer", daemon=True)
+    thread.start()
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="client") as pool:
+        list(pool.map(one, jobs))
+    thread.join(30)
+    result.wall_s = round(time.monotonic() - t0, 2)
+    return result
+
+
+def held_after(h: ClusterHarness, timeout_s: float) -> tuple[dict[str, int], list[str], float]:
+    """Blocks still held per live worker and live ledger entries, once settled (or at the bound)."""
+    t0 = time.monotonic()
+    blocks: dict[str, int] = {}
+    entries: list[str] = []
+
+    def settled() -> bool:
+        blocks.clear()
+        blocks.update(h.blocks_in_use())
+        entries[:] = [f"{e.request_id}:{e.state.value}" for e in h.ledger_active()]
+        return not any(blocks.values()) and not entries
+
+    try:
+        wait_until(settled, timeout_s, "blocks freed and ledger empty", 0.2)
+    except TimeoutError:
+        pass  # reported as a leak below
+    return blocks, entries, round(time.monotonic() - t0, 2)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def soak(args: argparse.Namespace) -> dict:
+    jobs = make_jobs(args.requests, args.seed)
+    model = ensure_model("tiny", "llama")
+    config = cluster_config(model, **{"prefill.initial_replicas": 2, "prefill.max_replicas": 2,
+                                      "decode.initial_replicas": 2, "decode.max_replicas": 2})
+    report: dict = {"host": {"cpu": cpu_model(), "cores": os.cpu_count()},
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "requests": len(jobs), "concurrency": args.concurrency, "seed": args.seed}
+    redis = EmbeddedRedis(password=f"pw-{uuid.uuid4().hex}")  # in memory and a 0600 file, never argv
+    redis.start()
+    t_start = time.monotonic()
+    ray.init(address="local", _node_ip_address=LOOPBACK_IP, include_dashboard=False, num_cpus=8,
+             namespace=f"kill-soak-{uuid.uuid4().hex[:8]}", log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+    h = ClusterHarness(config, redis.url)
+    try:
+        h.start()
+        report["startup_s"] = round(time.monotonic() - t_start, 2)
+        ref = run(h, jobs, args.concurrency, [])
+        report["reference"] = {"wall_s": ref.wall_s, "failed": sum(o.error is not None for o in ref.outcomes.values())}
+        ref_failures = {i: o.error for i, o in ref.outcomes.items() if o.error}
+        retries0, migrations0 = h.service.backend.retries, h.service.backend.migrations
+        kills = [Kill("prefill", max(1, round(args.kill_prefill_at * len(jobs)))),
+                 Kill("decode", max(1, round(args.kill_decode_at * len(jobs))))]
+        faulty = run(h, jobs, args.concurrency, kills)
+        for kill in faulty.kills:  # the router has seen the deaths before anything is counted
+            if kill.worker_id:
+                wait_until(lambda k=kill: all(m.worker_id != k.worker_id for m in h.members(k.role)), 60.0,
+                           f"{kill.worker_id} seen dead")
+        blocks, entries, settle_s = held_after(h, DRAIN_TIMEOUT_S)
+        outs = faulty.outcomes
+        failed = {i: o.error for i, o in outs.items() if o.error}
+        identical = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens == o.tokens)
+        compared = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens is not None)
+        report.update({
+            "completed": sum(o.error is None for o in outs.values()),
+            "failed": len(failed),
+            "failure_reasons": sorted({r for r in failed.values()})[:10],
+            "reference_failures": sorted(set(ref_failures.values()))[:10],
+            "identical_to_reference": identical,
+            "differing_from_reference": compared - identical,
+            "router_retries": h.service.backend.retries - retries0,
+            "router_migrations": h.service.backend.migrations - migrations0,
+            "streams_with_a_retry": sum(o.attempts > 1 and o.migrations == 0 for o in outs.values()),
+            "streams_migrated": sum(o.migrations > 0 for o in outs.values()),
+            "kills": [asdict(k) for k in faulty.kills],
+            "wall_s": faulty.wall_s,
+            "live_ledger_entries_after": len(entries),
+            "ledger_entries_sample": entries[:5],
+            "blocks_held_after": blocks,
+            "settle_s": settle_s,
+        })
+    finally:
+        h.stop()
+        ray.shutdown()
+        redis.stop()
+    report["total_s"] = round(time.monotonic() - t_start, 2)
+    return report
+
+
+def verdict(report: dict) -> list[str]:
+    """What is wrong with a run (empty when it passed)."""
+    problems = []
+    if report["reference_failures"]:
+        problems.append(f"{report['reference']['failed']} requests of the fault-free run failed")
+    if report["failed"]:
+        problems.append(f"{report['failed']} requests failed")
+    if report["identical_to_reference"] != report["requests"]:
+        problems.append(f"{report['requests'] - report['identical_to_reference']} token sequences not identical")
+    if any(not k["worker_id"] for k in report["kills"]):
+        problems.append("a kill did not happen (the run ended first)")
+    if report["live_ledger_entries_after"] or any(report["blocks_held_after"].values()):
+        problems.append("ledger entries or KV blocks left held")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200, help="streams per run (1-1000)")
+    parser.add_argument("--concurrency", type=int, default=32, help="streams at a time (1-64)")
+    parser.add_argument("--seed", type=int, default=1, help="prompts and lengths")
+    parser.add_argument("--kill-prefill-at", type=float, default=0.25,
+                        help="fraction of completed streams at which a prefill worker is killed")
+    parser.add_argument("--kill-decode-at", type=float, default=0.5,
+                        help="fraction of completed streams at which a decode worker is killed")
+    args = parser.parse_args(argv)
+    if not 1 <= args.requests <= 1000:
+        parser.error("--requests must be between 1 and 1000")
+    if not 1 <= args.concurrency <= 64:
+        parser.error("--concurrency must be between 1 and 64")
+    for name in ("kill_prefill_at", "kill_decode_at"):
+        if not 0.0 < getattr(args, name) < 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be between 0 and 1 (exclusive)")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logger.setLevel(logging.INFO)
+    report = soak(args)
+    problems = verdict(report)
+    report["problems"] = problems
+    print(f"host: {report['host']['cpu']} ({report['host']['cores']} cores); date: {report['date']}")
+    print(json.dumps(report, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
