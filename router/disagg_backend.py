@@ -264,7 +264,10 @@ class DisaggBackend:
         """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
         tp = await self._reserve(attempt, d, len(prompt), req.deadline)
         await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
-        p_view = self.pool.members[p].view
+        member = self.pool.members.get(p)
+        if member is None:  # removed (dead) between routing and now: retried elsewhere, like a lost call
+            raise WorkerLost(p, "left the pool before its prefill started")
+        p_view = member.view
         p_view.inflight_tokens += len(prompt)
         try:
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
