@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.cluster.pids import pid_alive
+
 logger = logging.getLogger(__name__)
 
 TABLE = "pdserve-cores.json"
@@ -61,7 +63,7 @@ class CoreAllocator:
                 table = {k: int(v) for k, v in json.loads(path.read_text()).items()}
             except (FileNotFoundError, ValueError, AttributeError):
                 table = {}
-            table = {core: pid for core, pid in table.items() if _alive(pid)}
+            table = {core: pid for core, pid in table.items() if pid_alive(pid)}
             yield table
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(table, sort_keys=True))
@@ -85,16 +87,6 @@ class CoreAllocator:
         with self._table() as table:
             for core in [c for c, owner in table.items() if owner == pid]:
                 del table[core]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def place_this_process(num_cpus: float, num_threads: int | None,

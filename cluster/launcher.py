@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.pids import pid_alive
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
 from pdserve.cluster.redact import split_password
 
@@ -100,16 +101,6 @@ def read_state() -> dict | None:
         return json.loads(state_file().read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --------------------------------------------------------------------------- the head process
@@ -267,7 +258,7 @@ def run_head(config: ClusterConfig) -> int:
 def up(config_path: str | None, model: str | None, overrides: list[str], foreground: bool,
        timeout_s: float = 600.0) -> int:
     st = read_state()
-    if st and _pid_alive(int(st["pid"])):
+    if st and pid_alive(int(st["pid"])):
         print(f"pdserve is already up (pid {st['pid']}): HTTP {st['http']}, gRPC {st['grpc']}")
         return 1
     if foreground:
@@ -335,16 +326,16 @@ def down(timeout_s: float = 120.0) -> int:
         print("pdserve is not up (no state file)")
         return 0
     pid = int(st["pid"])
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         state_file().unlink(missing_ok=True)
         print("pdserve was not running; removed its stale state")
         return 0
     os.kill(pid, signal.SIGTERM)
     print(f"stopping pdserve (pid {pid}): draining requests, stopping workers ...", flush=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _pid_alive(pid):
+    while time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.3)
-    if _pid_alive(pid):
+    if pid_alive(pid):
         _kill_head(pid)
         print("pdserve: the head did not stop in time and was killed", file=sys.stderr)
     state_file().unlink(missing_ok=True)

@@ -27,7 +27,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import sys
 import threading
@@ -43,6 +42,7 @@ from pathlib import Path
 for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
     os.environ.setdefault(_key, _value)
 
+from pdserve.bench.hw import cpu_model  # noqa: E402
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback  # noqa: E402
 
 use_loopback()
@@ -185,16 +185,6 @@ def held_after(h: ClusterHarness, timeout_s: float) -> tuple[dict[str, int], lis
     except TimeoutError:
         pass  # reported as a leak below
     return blocks, entries, round(time.monotonic() - t0, 2)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def soak(args: argparse.Namespace) -> dict:

@@ -35,6 +35,19 @@ except ModuleNotFoundError as exc:  # pragma: no cover - only while the module i
 
 
 @pytest.fixture(scope="session")
+def native_kernels():
+    """The C++ kernel library ``make setup`` builds: skips only where no compiler exists, fails
+    where one does but the library does not load."""
+    from pdserve.engine.kernels import build, load
+
+    status = load()
+    if not status.available and build.compiler() is None:
+        pytest.skip(f"no C++ compiler on this host: {status.reason}")
+    assert status.available, f"kernel not loadable although a compiler exists (run `make setup`): {status.reason}"
+    return status
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from pdserve.engine.testmodel import ensure_model
 

@@ -13,6 +13,7 @@ import threading
 
 import grpc
 import pytest
+from log_records import LogRecords
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -31,18 +32,9 @@ CASES = {
 }
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_model):
-    records = Records()
+    records = LogRecords()
     logging.getLogger().addHandler(records)
     engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=64, max_model_len=128, max_num_seqs=8))
     backend = LocalEngineBackend(engine, model_name="tiny")
@@ -61,7 +53,7 @@ def target(tiny_model):
         backend.close()
         logging.getLogger().removeHandler(records)
     assert engine.block_manager.all_free() and not engine.has_unfinished()
-    tracebacks = [r.getMessage()[:200] for r in records.records if r.exc_info or "Traceback" in r.getMessage()]
+    tracebacks = records.tracebacks()
     assert not tracebacks, tracebacks
 
 

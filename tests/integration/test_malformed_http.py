@@ -20,6 +20,7 @@ import zlib
 from dataclasses import dataclass
 
 import pytest
+from log_records import LogRecords
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -40,17 +41,6 @@ class Server:
     port: int
     engine: LLMEngine
     backend: LocalEngineBackend
-
-
-class LogRecords(logging.Handler):
-    """Every record the server side logs, from any thread."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +79,8 @@ def server(tiny_model, log_records):
     backend.close()
     assert backend.num_active == 0 and not engine.has_unfinished()
     assert engine.block_manager.all_free()
-    tracebacks = [r for r in log_records.records if r.exc_info or "Traceback" in r.getMessage()]
-    assert not tracebacks, [r.getMessage()[:200] for r in tracebacks]
+    tracebacks = log_records.tracebacks()
+    assert not tracebacks, tracebacks
 
 
 @dataclass
