@@ -59,7 +59,7 @@ class Recorder:
     def record(self, uid: str) -> str:
         from dataclasses import asdict
 
-        from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RouterMetrics
+        from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RouterMetrics
         from pdserve.cluster.planner import PlannerDecision, Role, ScaleAction
         from pdserve.engine.llm_engine import EngineStats
         from pdserve.engine.sequence import PhaseRecord
@@ -98,6 +98,13 @@ class Recorder:
                      PlannerDecision(Role.DECODE, ScaleAction.HOLD, 2, 2, "fine", 0.5)]
         planner.observe(decisions, replicas={"prefill": 1})
         planner.observe(decisions, replicas={"prefill": 1})
+
+        redis = RedisMetrics()  # one outage: two ledger steps deferred, one request-log write dropped
+        redis.set_up(False)
+        redis.dropped("ledger")
+        redis.dropped("ledger")
+        redis.dropped("request_log")
+        redis.set_up(True)
         return ray.get_runtime_context().get_worker_id()
 
 
@@ -168,6 +175,9 @@ def _expected(uid: str) -> list[tuple[str, dict[str, str], float | SumOf]]:
         ("ray_pdserve_pool_replicas", dec, 2),
         ("ray_pdserve_planner_target_replicas", pre, 2),
         ("ray_pdserve_planner_utilization", dec, 0.5),
+        ("ray_pdserve_redis_up", {"role": "router"}, 1),
+        ("ray_pdserve_redis_calls_dropped_total", {"role": "router", "kind": "ledger"}, 2),
+        ("ray_pdserve_redis_calls_dropped_total", {"role": "router", "kind": "request_log"}, 1),
     ]
 
 
