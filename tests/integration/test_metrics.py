@@ -244,6 +244,11 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_session) -> None:
     time.sleep(max(0.0, recorded_at + GAUGE_TTL_S + 5.0 - time.monotonic()))
     assert _problems(scrape(port), uid, ray_worker_id, only=GAUGES) == []
 
+    # ray.kill is asynchronous: a call sent just after it may still be served. The actor must be
+    # gone (calls fail with RayActorError) within the deadline.
     ray_session.kill(recorder)
+    deadline = time.monotonic() + 30.0
     with pytest.raises(ray_session.exceptions.RayActorError):
-        ray_session.get(recorder.record.remote(uid), timeout=30)
+        while time.monotonic() < deadline:
+            ray_session.get(recorder.record.remote(uid), timeout=30)
+            time.sleep(0.5)
