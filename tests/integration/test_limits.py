@@ -101,6 +101,22 @@ class TestMaxTokensLimit:
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "characters" in info.value.details()
 
+    def test_grpc_message_over_the_size_limit_is_resource_exhausted_and_the_server_serves_on(
+            self, cluster: ClusterHarness) -> None:
+        from pdserve.router.grpc_server import max_message_bytes
+
+        limit = max_message_bytes(cluster.service.serving.info.max_model_len)
+        ids = pb.TokenIds(ids=[5] * (limit + 1024))   # packed varints of 1 byte each: over the limit
+        with grpc.insecure_channel(cluster.grpc_target, options=[("grpc.max_send_message_length", -1)]) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=pb.SamplingParams(max_tokens=4)),
+                                   timeout=60))
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            ok = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2)),
+                                    timeout=60))
+        assert sum(len(m.token_ids) for m in ok) == 2
+
 
 class TestRequestTimeout:
     @pytest.fixture
