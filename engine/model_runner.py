@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import PagedKVCache
-from pdserve.engine.layers import DecoderLayer, RotaryTables
+from pdserve.engine.layers import DecoderLayer, RotaryTables, rms_norm
 from pdserve.engine.dtype_probe import resolve_dtype
 from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
 from pdserve.engine.linear import LmHead, gemv_available, packed_available
@@ -147,7 +147,7 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size)
         if rows != list(range(x.shape[0])):
             x = x[torch.tensor(rows, device=self.device)]
-        x = F.rms_norm(x, (self.spec.hidden_size,), self.weights.norm, self.spec.rms_norm_eps)
+        x = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _check_and_order(self, items: list[ForwardItem]) -> tuple[list[int], int]:
