@@ -63,6 +63,18 @@ class AttentionPlan:
             self.decode_ctx = nb * bs
             self.decode_mask = (torch.arange(nb * bs)[None, :] < ctx[:, None]).view(b, 1, 1, nb * bs).to(dev)
         self.prefills: list[_Prefill] = []
+        self.native_prefill = bool(prefills) and c.native_prefill
+        if self.native_prefill:
+            # one kernel call per layer for every chunk: it reads context and chunk in place
+            nb = max(-(-(start + n) // bs) for start, n, _ in prefills)
+            self.prefill_tables = _pad_tables([t[:nb] for _, _, t in prefills], nb).to(torch.int32)
+            self.prefill_starts = torch.tensor([start for start, _, _ in prefills], dtype=torch.int32)
+            self.prefill_lens = torch.tensor([n for _, n, _ in prefills], dtype=torch.int32)
+            offsets = [0]
+            for _, n, _ in prefills[:-1]:
+                offsets.append(offsets[-1] + n)
+            self.prefill_rows = torch.tensor(offsets, dtype=torch.int32)
+            prefills = []
         row = b
         for start, n, table in prefills:
             nb = -(-(start + n) // bs)
@@ -100,6 +112,10 @@ class AttentionPlan:
             q = qkv[:b, : c.q_width].view(b, c.num_kv_heads, c.group, c.head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
             outs.append(o.reshape(b, c.q_width))
+        if self.native_prefill:
+            outs.append(torch.ops.pdserve.paged_prefill_attention(
+                qkv[self.num_decodes :, : c.q_width], c.kv_cache, layer, self.prefill_tables, self.prefill_starts,
+                self.prefill_lens, self.prefill_rows, c.scale))
         for p in self.prefills:
             n = p.num_tokens
             if p.mask is None:
@@ -146,6 +162,7 @@ class PagedKVCache:
         self.layer_kv_rows = torch.arange(layers)[:, None] * (2 * bs) + torch.arange(2)[None, :] * bs   # [L, 2]
         self.scale = 1.0 / math.sqrt(d)   # SDPA's default
         self.native = _use_native(backend, kv_cache)
+        self.native_prefill = self.native and hasattr(torch.ops.pdserve, "paged_prefill_attention")
         self.backend = "native" if self.native else "sdpa"
 
     def plan(self, decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
