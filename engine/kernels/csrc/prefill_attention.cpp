@@ -38,7 +38,8 @@ namespace {
 
 using namespace pdserve_vec;
 
-constexpr int64_t kTile = 16;  // query positions per task
+constexpr int64_t kTile = 32;  // query positions per task
+constexpr int64_t kQB = 6;     // query vectors whose scores are computed together
 
 struct Task {
   int32_t chunk, head, first;  // query rows [first, min(first + kTile, len)) of the chunk
@@ -73,7 +74,8 @@ void tile(const Task& t, const T* q, const T* cache, int64_t layer, const int32_
   std::fill(acc.begin(), acc.begin() + nvec * dim, 0.f);
   std::vector<float> mx(nvec, -std::numeric_limits<float>::infinity()), sum(nvec, 0.f);
   const int64_t last = start + t.first + nq - 1;         // the tile's last query position
-  alignas(64) float sc[kW];
+  alignas(64) float probs[kQB * kW];
+  float corr[kQB];
   for (int64_t p0 = 0; p0 <= last; p0 += kW) {
     const int64_t m = std::min<int64_t>(kW, last + 1 - p0);
     // K of positions p0..p0+m-1 transposed: kt[d * kW + lane]; V as rows: vf[lane * dim + d]
@@ -86,37 +88,83 @@ void tile(const Task& t, const T* q, const T* cache, int64_t layer, const int32_
     for (int64_t l = m; l < kW; ++l) {
       for (int64_t d = 0; d < dim; ++d) kt[d * kW + l] = 0.f;
     }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t qpos = start + t.first + i;
-      if (p0 > qpos) continue;                            // every key of this tile is after the query
-      const int64_t visible = std::min<int64_t>(m, qpos + 1 - p0);  // lanes 0..visible-1 attend
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t j = i * group + g;
-        const float* qv = &qf[j * dim];
-        fVec s0(0.f);
-        for (int64_t d = 0; d < dim; ++d) s0 = at::vec::fmadd(fVec(qv[d]), fVec::loadu(&kt[d * kW]), s0);
-        s0.store(sc);
-        float tile_max = sc[0];
-        for (int64_t l = 1; l < visible; ++l) tile_max = std::max(tile_max, sc[l]);
+    // query vectors in blocks of kQB: their score chains (and V sums) are independent, so the
+    // FMAs pipeline instead of waiting on one accumulator
+    for (int64_t j0 = 0; j0 < nvec; j0 += kQB) {
+      const int64_t nb = std::min<int64_t>(kQB, nvec - j0);
+      if (p0 > start + t.first + (j0 + nb - 1) / group) continue;   // no query of the block sees a key here
+      const float* qb[kQB];
+      for (int64_t b = 0; b < kQB; ++b) qb[b] = &qf[(j0 + std::min<int64_t>(b, nb - 1)) * dim];
+      fVec sv[kQB];
+      for (int64_t b = 0; b < kQB; ++b) sv[b] = fVec(0.f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const fVec k = fVec::loadu(&kt[d * kW]);
+#pragma GCC unroll 6
+        for (int64_t b = 0; b < kQB; ++b) sv[b] = at::vec::fmadd(fVec(qb[b][d]), k, sv[b]);
+      }
+      int64_t vmax = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t j = j0 + b, qpos = start + t.first + j / group;
+        const int64_t visible = p0 > qpos ? 0 : std::min<int64_t>(m, qpos + 1 - p0);   // lanes that attend
+        float* pr = &probs[b * kW];
+        if (visible == 0) {
+          std::fill(pr, pr + kW, 0.f);
+          corr[b] = 1.f;
+          continue;
+        }
+        vmax = std::max(vmax, visible);
+        fVec s0 = sv[b];
+        if (visible < kW) s0 = fVec::set(fVec(-std::numeric_limits<float>::infinity()), s0, visible);
+        const float tile_max =
+            at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s0);
         const float new_max = std::max(mx[j], tile_max);
-        const float corr = std::exp(mx[j] - new_max);      // 0 on the first tile (mx = -inf)
+        corr[b] = std::exp(mx[j] - new_max);              // 0 on the first tile (mx = -inf)
         mx[j] = new_max;
-        const fVec e = (s0 - fVec(new_max)).exp_u20();
-        e.store(sc);
-        float tsum = 0.f;
-        for (int64_t l = 0; l < visible; ++l) tsum += sc[l];
-        sum[j] = sum[j] * corr + tsum;
-        float* a = &acc[j * dim];
+        const fVec e = (s0 - fVec(new_max)).exp_u20();    // masked lanes: exp(-inf) = 0
+        e.store(pr);
+        sum[j] = sum[j] * corr[b] + at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, e);
+      }
+      if (dim == 4 * kW && nb == kQB) {
+        fVec o[kQB][4];
+#pragma GCC unroll 6
+        for (int64_t b = 0; b < kQB; ++b) {
+          const fVec c(corr[b]);
+          float* a = &acc[(j0 + b) * dim];
+          for (int64_t k = 0; k < 4; ++k) o[b][k] = fVec::loadu(a + k * kW) * c;
+        }
+        for (int64_t l = 0; l < vmax; ++l) {
+          const float* vr = &vf[l * dim];
+          const fVec v0 = fVec::loadu(vr), v1 = fVec::loadu(vr + kW), v2 = fVec::loadu(vr + 2 * kW),
+                     v3 = fVec::loadu(vr + 3 * kW);
+#pragma GCC unroll 6
+          for (int64_t b = 0; b < kQB; ++b) {
+            const fVec w(probs[b * kW + l]);
+            o[b][0] = at::vec::fmadd(w, v0, o[b][0]);
+            o[b][1] = at::vec::fmadd(w, v1, o[b][1]);
+            o[b][2] = at::vec::fmadd(w, v2, o[b][2]);
+            o[b][3] = at::vec::fmadd(w, v3, o[b][3]);
+          }
+        }
+#pragma GCC unroll 6
+        for (int64_t b = 0; b < kQB; ++b) {
+          float* a = &acc[(j0 + b) * dim];
+          for (int64_t k = 0; k < 4; ++k) o[b][k].store(a + k * kW);
+        }
+        continue;
+      }
+      for (int64_t b = 0; b < nb; ++b) {                  // any head_dim: one query at a time
+        float* a = &acc[(j0 + b) * dim];
+        const float* pr = &probs[b * kW];
         const int64_t full = dim - dim % kW;
-        const fVec c(corr);
+        const fVec c(corr[b]);
         for (int64_t d = 0; d < full; d += kW) {
           fVec o = fVec::loadu(a + d) * c;
-          for (int64_t l = 0; l < visible; ++l) o = at::vec::fmadd(fVec(sc[l]), fVec::loadu(&vf[l * dim + d]), o);
+          for (int64_t l = 0; l < vmax; ++l) o = at::vec::fmadd(fVec(pr[l]), fVec::loadu(&vf[l * dim + d]), o);
           o.store(a + d);
         }
         for (int64_t d = full; d < dim; ++d) {
-          float o = a[d] * corr;
-          for (int64_t l = 0; l < visible; ++l) o += sc[l] * vf[l * dim + d];
+          float o = a[d] * corr[b];
+          for (int64_t l = 0; l < vmax; ++l) o += pr[l] * vf[l * dim + d];
           a[d] = o;
         }
       }
