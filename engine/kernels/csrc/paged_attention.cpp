@@ -102,6 +102,66 @@ struct Shape {
   int64_t block_stride() const { return layers * 2 * slab(); }      // one whole block
 };
 
+// Fast paths for head_dim == 4 vectors and up to 4 queries per kv head (every model pdserve runs
+// on AVX-512 with head_dim 64): one kv head's queries stay in registers and each K (or V) row is
+// converted to float32 once for all of them; the V sums accumulate in registers across every
+// position instead of a load and store of the accumulator per row.
+template <int G, typename T>
+void qk_head(const float* qf, const T* cache, const int32_t* table, int64_t off, int64_t n, float scale,
+             float* scores, const Shape& s) {
+  fVec qv[G][4];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 4; ++k) qv[g][k] = fVec::loadu(qf + g * 4 * kW + k * kW);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const T* kr = cache + table[p / s.block_size] * s.block_stride() + off + (p % s.block_size) * s.row();
+    const fVec k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const fVec a = at::vec::fmadd(qv[g][0], k0, qv[g][1] * k1);
+      const fVec b = at::vec::fmadd(qv[g][2], k2, qv[g][3] * k3);
+      scores[g * n + p] = hsum(a + b) * scale;
+    }
+  }
+}
+
+template <int G, typename T>
+void v_head(const float* scores, const T* cache, const int32_t* table, int64_t off, int64_t n, float* acc,
+            const Shape& s) {
+  fVec o[G][4];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 4; ++k) o[g][k] = fVec(0.f);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const T* vr = cache + table[p / s.block_size] * s.block_stride() + off + (p % s.block_size) * s.row();
+    const fVec v0 = load(vr), v1 = load(vr + kW), v2 = load(vr + 2 * kW), v3 = load(vr + 3 * kW);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const fVec w(scores[g * n + p]);
+      o[g][0] = at::vec::fmadd(w, v0, o[g][0]);
+      o[g][1] = at::vec::fmadd(w, v1, o[g][1]);
+      o[g][2] = at::vec::fmadd(w, v2, o[g][2]);
+      o[g][3] = at::vec::fmadd(w, v3, o[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 4; ++k) o[g][k].store(acc + g * 4 * kW + k * kW);
+  }
+}
+
+template <typename T>
+bool fast_head(bool v_pass, int64_t group, const float* in, const T* cache, const int32_t* table, int64_t off,
+               int64_t n, float scale, float* out, const Shape& s) {
+  if (s.head_dim != 4 * kW) return false;
+  switch (group) {
+    case 1: v_pass ? v_head<1>(in, cache, table, off, n, out, s) : qk_head<1>(in, cache, table, off, n, scale, out, s); return true;
+    case 2: v_pass ? v_head<2>(in, cache, table, off, n, out, s) : qk_head<2>(in, cache, table, off, n, scale, out, s); return true;
+    case 3: v_pass ? v_head<3>(in, cache, table, off, n, out, s) : qk_head<3>(in, cache, table, off, n, scale, out, s); return true;
+    case 4: v_pass ? v_head<4>(in, cache, table, off, n, out, s) : qk_head<4>(in, cache, table, off, n, scale, out, s); return true;
+    default: return false;
+  }
+}
+
 // One task attends `hpt` consecutive kv heads of one sequence (their `hpt * group` queries): with
 // every kv head in one task a sequence's K (and V) rows are read as whole contiguous slabs.
 template <typename T>
@@ -123,7 +183,12 @@ void decode(const T* q, const T* cache, int64_t layer, const int32_t* tables, co
       const T* src = q + b * s.q_row_stride + h0 * group * dim;   // the task's queries are contiguous
       for (int64_t j = 0; j < qn * dim; ++j) qf[j] = to_float(src[j]);
       // scores[j * n + p] = (q_j . k_p) * scale
-      for (int64_t i = 0; i < nblocks; ++i) {
+      bool fast = true;
+      for (int64_t hh = 0; hh < hpt && fast; ++hh) {
+        fast = fast_head(false, group, &qf[hh * group * dim], cache, table, k_off + (h0 + hh) * dim, n, scale,
+                         &scores[hh * group * n], s);
+      }
+      for (int64_t i = 0; i < nblocks && !fast; ++i) {
         const T* kb = rows(i, k_off);
         const int64_t p0 = i * s.block_size, m = std::min(s.block_size, n - p0);
         // the next block's K, or the first block's V once the last K block is reached
@@ -143,7 +208,11 @@ void decode(const T* q, const T* cache, int64_t layer, const int32_t* tables, co
         inv[j] = 1.f / exp_sum(sc, n, mx);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < nblocks; ++i) {
+      for (int64_t hh = 0; hh < hpt && fast; ++hh) {
+        fast_head(true, group, &scores[hh * group * n], cache, table, v_off + (h0 + hh) * dim, n, scale,
+                  &acc[hh * group * dim], s);
+      }
+      for (int64_t i = 0; i < nblocks && !fast; ++i) {
         const T* vb = rows(i, v_off);
         const int64_t p0 = i * s.block_size, m = std::min(s.block_size, n - p0);
         if (i + 1 < nblocks) prefetch_rows(rows(i + 1, v_off), s.block_size, s.row(), width);
