@@ -91,8 +91,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+@functools.cache
+def _native_rope() -> bool:
+    from pdserve.engine.kernels import load
+
+    return load().available and hasattr(torch.ops.pdserve, "rope_")
+
+
 def apply_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``qk`` ``[T, heads, head_dim]`` in place (a view into the fused qkv output)."""
+    """Rotate ``qk`` ``[T, heads, head_dim]`` in place (a view into the fused qkv output).
+
+    On CPU in float32/bfloat16 it is one pass of the C++ kernel (float32 arithmetic, one
+    rounding); elsewhere the flip form below."""
+    if (qk.device.type == "cpu" and qk.dtype in (torch.float32, torch.bfloat16) and qk.dtype == cos.dtype
+            and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and _native_rope()):
+        torch.ops.pdserve.rope_(qk, cos, sin)
+        return
     t, n, d = qk.shape
     flipped = qk.view(t, n, 2, d // 2).flip(2).view(t, n, d)
     qk.mul_(cos).addcmul_(flipped, sin)

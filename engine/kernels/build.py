@@ -28,7 +28,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "pdserve_kernels.so"
-SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "rms_norm.cpp")
+SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "rms_norm.cpp", "rope.cpp")
 HEADERS = ("vec_host.h",)
 _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-fno-math-errno")
