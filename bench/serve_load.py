@@ -96,7 +96,7 @@ class RequestRecord:
     index: int
     prompt_len: int
     output_len: int                       # asked for (max_tokens)
-    sent: float = 0.0
+    sent: float | None = None             # None: never sent (the run's time limit came first)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
     usage_completion_tokens: int | None = None
@@ -130,7 +130,7 @@ class LoadResult:
 
     def timelines(self) -> list[dict]:
         """Per request token timestamps relative to the run start, for plots and the JSON."""
-        return [{"group": r.group, "index": r.index, "sent": r.sent - self.started,
+        return [{"group": r.group, "index": r.index, "sent": None if r.sent is None else r.sent - self.started,
                  "tokens": [round(t - self.started, 6) for t in r.token_times], "error": r.error}
                 for r in self.records]
 

@@ -59,7 +59,7 @@ def gaps(times: Sequence[float]) -> list[float]:
 
 
 def ttft(rec: RequestRecord) -> float | None:
-    return rec.token_times[0] - rec.sent if rec.token_times else None
+    return rec.token_times[0] - rec.sent if rec.token_times and rec.sent is not None else None
 
 
 def tpot(rec: RequestRecord) -> float | None:
@@ -93,7 +93,7 @@ def summarize_group(recs: Sequence[RequestRecord], *, stall_threshold_s: float,
     out_tokens = sum(len(r.token_times) for r in ok)
     prompt_tokens = sum(r.prompt_len for r in ok)
     if span_s is None:
-        starts = [r.sent for r in recs if r.sent]
+        starts = [r.sent for r in recs if r.sent is not None]
         ends = [r.token_times[-1] for r in ok]
         span_s = (max(ends) - min(starts)) if starts and ends else 0.0
     st = [s for r in ok for s in stalls(r.token_times, stall_threshold_s)]
