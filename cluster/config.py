@@ -226,11 +226,11 @@ class DisaggregationSettings(_Settings):
                                           "uncached part is at most this many tokens are prefilled on "
                                           "the decode worker (as are all prompts when no prefill worker "
                                           "can start them within the TTFT SLO).")
-    kv_transfer_timeout_s: float = Field(30.0, gt=0, description="Longest a decode worker holds blocks "
-                                         "reserved for a prompt's KV, and a prefill worker keeps that "
-                                         "prompt's transfer open (its queueing, prefill and the copy); "
-                                         "past it the blocks are freed and the request retried. Raise it "
-                                         "when long prompts take longer than this to prefill.")
+    kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a handoff's KV reservation "
+                                         "lives without a renewal from the router, which renews it on "
+                                         "both workers every third of this while the prefill is queued "
+                                         "or runs; unrenewed, the blocks are freed on both sides and the "
+                                         "request retried.")
 
 
 class RouterSettings(_Settings):

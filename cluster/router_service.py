@@ -151,7 +151,8 @@ class RouterService:
         if self.ledger is not None and self.redis_guard is not None:
             self.ledger_writer = LedgerWriter(self.ledger, self.redis_guard)
         self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger_writer,
-                                     call_timeout_s=cfg.router.request_timeout_s)
+                                     call_timeout_s=cfg.router.request_timeout_s,
+                                     transfer_timeout_s=cfg.router.disaggregation.kv_transfer_timeout_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
         from pdserve.cluster.metrics import PlannerMetrics, RouterMetrics

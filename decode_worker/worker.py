@@ -100,6 +100,23 @@ class DecodeWorker(KVWorker):
 
         self._loop.call(do)
 
+    def renew(self, request_id: str, timeout_s: float | None = None) -> float:
+        """Keep a reservation whose prefill is still queued or running: its KV wait (and the
+        wait for its ``start``) runs ``timeout_s`` (default: the transfer timeout) from now.
+        Returns the new ``expires_at`` the prefill worker may write until. Raises
+        ``KVTransferError`` when the reservation already ended."""
+        wait = timeout_s or self.transfer_timeout_s
+
+        def do(_engine: LLMEngine) -> float:
+            res = self._reservations.get(request_id)
+            if res is None or res.ending:
+                raise KVTransferError(f"request {request_id!r} has no live KV reservation on {self.worker_id}")
+            expires_at = res.receiver.extend(wait)
+            res.expires_at = max(res.expires_at, time.monotonic() + 2 * wait)
+            return expires_at
+
+        return self._loop.call(do)
+
     def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE) -> None:
         """Prefill and decode here (conditional disaggregation / migration target)."""

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
+from pdserve.engine.errors import KVTransferError
 from pdserve.kv_transfer.agent import KVAgent
 from pdserve.kv_transfer.params import TransferParams, check_block_range
 from pdserve.kv_transfer.wire import Notif, NotifKind
@@ -106,6 +107,19 @@ class KVReceiver:
     @property
     def state(self) -> RecvState:
         return self._state
+
+    def extend(self, timeout_s: float) -> float:
+        """Wait ``timeout_s`` more from now (the router renews a reservation while its prefill is
+        queued or running). Returns the new ``expires_at`` for the sender; the deadline never
+        moves earlier, and a receiver that already ended is not revived (``KVTransferError``)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if self._state is not RecvState.WAITING:
+            raise KVTransferError(f"request {self.request_id}: the reservation already ended ({self._state.value})")
+        self.deadline = max(self.deadline, self._clock() + timeout_s)
+        self.expires_at = max(self.expires_at, time.time() + timeout_s)
+        self._params = replace(self._params, expires_at=self.expires_at)
+        return self.expires_at
 
     def poll(self) -> RecvState:
         """Process this request's notifications and the deadline; non-blocking."""

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.config import EngineConfig, EngineMode
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
@@ -80,20 +80,41 @@ class PrefillWorker(KVWorker):
             except BaseException:
                 sender.close()
                 raise
-            self._jobs[request_id] = _Job(request_id, sender, tp.dst_blocks, fut,
-                                          time.monotonic() + self.transfer_timeout_s,
+            self._jobs[request_id] = _Job(request_id, sender, tp.dst_blocks, fut, self._deadline_of(tp),
                                           num_prompt_tokens=len(prompt_token_ids))
 
         started = self._loop.submit(start)
         started.add_done_callback(lambda f: f.exception() and not fut.done() and fut.set_exception(f.exception()))
         return fut
 
+    def _deadline_of(self, tp: TransferParams) -> float:
+        """The job's deadline (monotonic): the decode side's reservation expiry when it has one,
+        which the router renews while the job waits or runs; else the transfer timeout."""
+        if tp.expires_at:
+            return time.monotonic() + max(0.0, tp.expires_at - time.time())
+        return time.monotonic() + self.transfer_timeout_s
+
+    def extend(self, request_id: str, expires_at: float) -> bool:
+        """The decode side renewed this request's reservation until ``expires_at`` (epoch s):
+        its blocks may be written until then. False when the job is no longer here."""
+        def do(_engine: LLMEngine) -> bool:
+            job = self._jobs.get(request_id)
+            if job is None or expires_at <= job.sender.params.expires_at:
+                return job is not None
+            job.sender.params = replace(job.sender.params, expires_at=expires_at)
+            job.deadline = max(job.deadline, self._deadline_of(job.sender.params))
+            return True
+
+        return self._loop.call(do)
+
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 transfer_params: bytes, priority: Priority = Priority.INTERACTIVE,
                 timeout_s: float | None = None) -> PrefillResult:
-        """Blocking form of ``submit`` (Ray runs it on one of the actor's threads)."""
+        """Blocking form of ``submit`` (Ray runs it on one of the actor's threads). Without
+        ``timeout_s`` it waits as long as the job lives: a queued job is bounded by its
+        reservation's expiry, which only the router's renewals move."""
         return self.submit(request_id, prompt_token_ids, params, transfer_params, priority).result(
-            timeout=timeout_s or self.transfer_timeout_s + 60)
+            timeout=timeout_s)
 
     def abort(self, request_id: str) -> bool:
         def do(engine: LLMEngine) -> bool:
@@ -186,7 +207,8 @@ class PrefillWorker(KVWorker):
         elif state in (SendState.FAILED, SendState.ABORTED):
             self._abort_job(job, f"KV transfer {state.value}: {job.sender.reason}")
         elif now > job.deadline:
-            self._abort_job(job, f"KV transfer timed out after {self.transfer_timeout_s:.0f} s")
+            self._abort_job(job, "KV transfer timed out: the decode side's reservation expired "
+                                 "(no renewal from the router)")
 
     def _abort_job(self, job: _Job, message: str) -> None:
         """End a job with an error: stop its sender, free its blocks, resolve its caller."""

@@ -71,7 +71,10 @@ def _repeated_failure(exc: Exception, seen: dict[str, str]) -> EngineStepError |
 class DisaggBackend:
     def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
                  ledger: LedgerWriter | None = None, max_attempts: int = 4, lease_s: float = 120.0,
-                 reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0) -> None:
+                 reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0,
+                 transfer_timeout_s: float = 30.0) -> None:
+        """``transfer_timeout_s``: the workers' KV transfer timeout; a handoff's reservation is
+        renewed every third of it while its prefill is queued or running."""
         self._info = info
         self.pool = pool
         self.policy = policy or RoutingPolicy()
@@ -80,6 +83,8 @@ class DisaggBackend:
         self.lease_s = lease_s
         self.reserve_wait_s = reserve_wait_s
         self.call_timeout_s = call_timeout_s
+        self.renew_interval_s = transfer_timeout_s / 3
+        self.renewals = 0
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
         self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
         self.migrations = 0
@@ -271,8 +276,12 @@ class DisaggBackend:
         p_view.inflight_tokens += len(prompt)
         try:
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
-            res = await self._prefill_unless_decode_lost(
-                d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
+            renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p))
+            try:
+                res = await self._prefill_unless_decode_lost(
+                    d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
+            finally:
+                renewer.cancel()
         except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
             await self._blame_decode_if_gone(d, str(exc))
             raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
@@ -302,6 +311,27 @@ class DisaggBackend:
             raise _AttemptFailed(d, f"start on {d} failed: {exc}") from exc
         await self._ledger(LedgerState.DECODING, attempt)
         return first
+
+    async def _renew_while_prefilling(self, attempt: str, d: str, p: str) -> None:
+        """A slow prefill is not a failed one: while it is queued or running, extend the decode
+        side's reservation, then tell the prefill worker the new expiry (in that order, so the
+        prefill side never may write later than the decode side waits). If this router dies the
+        renewals stop and both sides time out as before."""
+        lease_renew_at = time.monotonic() + self.lease_s / 3
+        while True:
+            await asyncio.sleep(self.renew_interval_s)
+            if self.ledger is not None and time.monotonic() >= lease_renew_at:
+                lease_renew_at = time.monotonic() + self.lease_s / 3   # the reaper must not take it either
+                self._renew_later(attempt)
+            try:
+                expires_at = await self._call(d, lambda a: a.renew.remote(attempt))
+                await self._call(p, lambda a: a.extend.remote(attempt, expires_at))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the attempt's own path reports what went wrong
+                logger.debug("request %s: reservation not renewed: %s", attempt, exc)
+                return
+            self.renewals += 1
 
     async def _prefill_unless_decode_lost(self, d: str, queue: asyncio.Queue, prefill):
         """The prefill result, or ``WorkerLost(d)`` as soon as the decode worker dies meanwhile
