@@ -224,8 +224,13 @@ class DisaggregationSettings(_Settings):
                                                             "prefill everything (colocated baseline).")
     local_prefill_max_tokens: int = Field(64, ge=0, description="In 'conditional' mode, prompts whose "
                                           "uncached part is at most this many tokens are prefilled on "
-                                          "the decode worker (as are all prompts when no prefill worker "
-                                          "can start them within the TTFT SLO).")
+                                          "the decode worker (all prompts are when the cluster has no "
+                                          "prefill pool: prefill.min_replicas 0).")
+    prefill_wait_s: float = Field(60.0, gt=0, description="When no prefill worker can take a prompt "
+                                  "longer than local_prefill_max_tokens (the pool's only replica died "
+                                  "or went silent), the request waits in the router this long for one "
+                                  "(or until its deadline), then fails with 503; it is never prefilled "
+                                  "on a decode worker's running streams.")
     kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a handoff's KV reservation "
                                          "lives without a renewal from the router, which renews it on "
                                          "both workers every third of this while the prefill is queued "

@@ -147,12 +147,14 @@ class RouterService:
                          tuple(spec.eos_token_ids), str(cfg.model.path))
         dis = cfg.router.disaggregation
         local_max = {"never": max_len, "always": 0}.get(dis.mode, dis.local_prefill_max_tokens)
-        policy = RoutingPolicy(block_size=cfg.decode.engine.block_size, local_prefill_max_tokens=local_max)
+        policy = RoutingPolicy(block_size=cfg.decode.engine.block_size, local_prefill_max_tokens=local_max,
+                               prefill_pool=dis.mode != "never" and cfg.prefill.min_replicas > 0)
         if self.ledger is not None and self.redis_guard is not None:
             self.ledger_writer = LedgerWriter(self.ledger, self.redis_guard)
         self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger_writer,
                                      call_timeout_s=cfg.router.request_timeout_s,
-                                     transfer_timeout_s=cfg.router.disaggregation.kv_transfer_timeout_s)
+                                     transfer_timeout_s=cfg.router.disaggregation.kv_transfer_timeout_s,
+                                     prefill_wait_s=cfg.router.disaggregation.prefill_wait_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
         from pdserve.cluster.metrics import PlannerMetrics, RouterMetrics

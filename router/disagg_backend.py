@@ -72,9 +72,11 @@ class DisaggBackend:
     def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
                  ledger: LedgerWriter | None = None, max_attempts: int = 4, lease_s: float = 120.0,
                  reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, prefill_wait_s: float = 60.0) -> None:
         """``transfer_timeout_s``: the workers' KV transfer timeout; a handoff's reservation is
-        renewed every third of it while its prefill is queued or running."""
+        renewed every third of it while its prefill is queued or running. ``prefill_wait_s``: how
+        long a prompt too long for local prefill waits for a prefill worker when none can take it
+        (the policy's ``prefill_pool``) before it fails with 503."""
         self._info = info
         self.pool = pool
         self.policy = policy or RoutingPolicy()
@@ -84,6 +86,8 @@ class DisaggBackend:
         self.reserve_wait_s = reserve_wait_s
         self.call_timeout_s = call_timeout_s
         self.renew_interval_s = transfer_timeout_s / 3
+        self.prefill_wait_s = prefill_wait_s
+        self.prefill_waits = 0        # requests that waited for a prefill worker
         self.renewals = 0
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
         self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
@@ -122,7 +126,7 @@ class DisaggBackend:
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
             attempt = f"{req.request_id}#{attempt_no}"
             try:
-                decision = await self._route(prompt, excluded)
+                decision = await self._route(prompt, excluded, req.deadline)
                 async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
                     if isinstance(item, TokenDelta):
                         if first_token_at is None:
@@ -155,16 +159,41 @@ class DisaggBackend:
         yield self._finish(Finished("error", {}, err), req, emitted, started, first_token_at, acc)
 
     # -------------------------------------------------------------- attempts
-    async def _route(self, prompt: list[int], excluded: set[str]) -> RoutingDecision:
+    async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None) -> RoutingDecision:
         """Pick workers, avoiding those that failed this request before; when that leaves no
-        decode worker, the earlier ones are tried again (their failure may have been transient)."""
+        decode worker (or no prefill worker for a prompt that needs one), the earlier ones are
+        tried again (their failure may have been transient). A prompt that needs a prefill worker
+        when none can take it waits here, in the router, for one (a replacement starting, a
+        silent one answering again) up to ``prefill_wait_s`` or its deadline: a decode worker's
+        running streams never stall behind its prefill."""
         hashes = chain_hashes(prompt, self.policy.block_size)
-        for skip in (frozenset(excluded), frozenset()):
-            decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
-                                          self.pool.views("decode"), skip)
-            if decision is not None:
-                return decision
-        raise WorkerUnavailableError("no decode worker is alive to serve this request")
+        waiting_since: float | None = None
+        while True:
+            decision = None
+            for skip in (frozenset(excluded), frozenset()):
+                decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
+                                              self.pool.views("decode"), skip)
+                if decision is not None and not decision.wait_for_prefill:
+                    if waiting_since is not None:
+                        logger.info("prefill worker %s available after %.1f s", decision.prefill_worker,
+                                    time.monotonic() - waiting_since)
+                    return decision
+            if decision is None:
+                raise WorkerUnavailableError("no decode worker is alive to serve this request")
+            now = time.monotonic()
+            if waiting_since is None:
+                waiting_since = now
+                self.prefill_waits += 1
+                logger.info("no prefill worker can take a %d-token prompt now: waiting for one (up to %.0f s)",
+                            len(prompt), self.prefill_wait_s)
+            limit = waiting_since + self.prefill_wait_s
+            if deadline is not None:
+                limit = min(limit, deadline)
+            if now >= limit:
+                raise WorkerUnavailableError(
+                    f"no prefill worker could take this {len(prompt)}-token prompt within {now - waiting_since:.0f} s "
+                    "(the prefill pool has no live replica); retry later")
+            await asyncio.sleep(0.05)
 
     async def _call(self, worker_id: str, ref_fn, timeout_s: float | None = None):
         """Await one Ray call; a dead worker becomes ``WorkerLost``."""

@@ -50,6 +50,9 @@ class RoutingDecision:
     prefill_worker: str | None      # None: prefill locally on the decode worker
     cached_prefix_tokens: int       # expected prefix-cache hit on the chosen prefill worker
     reason: str
+    # No prefill worker can take the prompt now and it is too long to prefill on a decode worker:
+    # the caller waits for one (``decode_worker`` is where it would go if it had to run now).
+    wait_for_prefill: bool = False
 
 
 def apply_kv_events(view: WorkerView, events: Iterable[tuple[str, int]]) -> None:
@@ -77,6 +80,10 @@ class RoutingPolicy:
     local_prefill_max_tokens: int = 0
     # Weight of one queued token against one cached token when choosing a prefill worker.
     queue_weight: float = 1.0
+    # The cluster keeps a prefill pool (at least one replica, replaced when it dies): a prompt
+    # longer than the local budget waits for a prefill worker rather than stall a decode
+    # worker's streams with its prefill. Without one, decode workers prefill everything.
+    prefill_pool: bool = False
 
     def choose(self, prompt_hashes: list[int], num_prompt_tokens: int,
                prefill: list[WorkerView], decode: list[WorkerView],
@@ -92,6 +99,9 @@ class RoutingPolicy:
         d = max(d_candidates, key=self._decode_score)
         p_candidates = [w for w in prefill if w.routable and w.worker_id not in exclude]
         if not p_candidates:
+            if self.prefill_pool and num_prompt_tokens > self.local_prefill_max_tokens:
+                return RoutingDecision(d.worker_id, None, 0, "no prefill worker can take it now: waiting for one",
+                                       wait_for_prefill=True)
             return RoutingDecision(d.worker_id, None, 0, "no prefill worker available: local prefill")
         best, best_score, best_cached = None, float("-inf"), 0
         for w in p_candidates:

@@ -166,6 +166,38 @@ def test_a_briefly_frozen_worker_gets_no_new_requests_then_serves_again(cluster:
     cluster.assert_nothing_held()
 
 
+def test_a_prompt_waits_in_the_router_while_no_prefill_worker_answers(cluster: ClusterHarness) -> None:
+    """With every prefill worker silent (frozen), a prompt that needs one waits in the router: it is
+    not prefilled on a decode worker, where it would stall that worker's streams; once a prefill
+    worker answers again the request is served there, token-identical."""
+    cluster.ensure_replicas("prefill", 2)
+    cluster.ensure_replicas("decode", 3)
+    frozen = cluster.members("prefill")
+    pids = [m.view.stats["pid"] for m in frozen]
+    backend = cluster.service.backend
+    waits = backend.prefill_waits
+    with liveness(cluster, stats_timeout_s=1.0, dead_after_s=60.0):
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: not any(m.view.routable for m in frozen), 10.0, "both prefill workers silent")
+            with ThreadPoolExecutor(1) as pool:
+                future = pool.submit(stream_tokens, cluster, SHORT_PROMPT, MID)
+                wait_until(lambda: backend.prefill_waits > waits, 10.0, "the request waiting for a prefill worker")
+                assert not future.done()
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+                tokens, phase = future.result(timeout=60)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    assert tokens == cluster.ref[SHORT_PROMPT]
+    assert phase["prefill_worker"] in {m.worker_id for m in frozen}, phase
+    assert phase["attempts"] == 1, phase
+    cluster.assert_nothing_held()
+
+
 def test_a_hung_decode_worker_is_killed_and_its_stream_migrated(cluster: ClusterHarness) -> None:
     cluster.ensure_replicas("prefill", 1)
     cluster.ensure_replicas("decode", 2)

@@ -1,0 +1,78 @@
+"""The router's routing policy (pure logic): which decode and prefill worker a prompt goes to, when
+it is prefilled on the decode worker, and when it must wait for a prefill worker instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.block_manager import chain_hashes
+from pdserve.router.policy import RoutingPolicy, WorkerView
+
+BS = 16
+
+
+def _views() -> tuple[list[WorkerView], list[WorkerView]]:
+    prefill = [WorkerView("p0", "prefill"), WorkerView("p1", "prefill")]
+    decode = [WorkerView("d0", "decode", num_blocks=100, num_free_blocks=90),
+              WorkerView("d1", "decode", num_blocks=100, num_free_blocks=10)]
+    return prefill, decode
+
+
+def _prompt(n: int) -> tuple[list[int], list[int]]:
+    ids = list(range(7, 7 + n))
+    return ids, chain_hashes(ids, BS)
+
+
+def test_the_prefill_worker_with_the_longest_cached_prefix_wins() -> None:
+    prefill, decode = _views()
+    ids, hashes = _prompt(100)
+    prefill[1].cached_hashes.update(hashes[:4])   # 64 tokens cached on p1
+    d = RoutingPolicy(block_size=BS).choose(hashes, len(ids), prefill, decode)
+    assert d.prefill_worker == "p1" and d.cached_prefix_tokens == 64 and not d.wait_for_prefill
+
+
+def test_a_queue_outweighs_a_small_cache_hit() -> None:
+    prefill, decode = _views()
+    ids, hashes = _prompt(100)
+    prefill[1].cached_hashes.update(hashes[:1])   # 16 tokens cached on p1 ...
+    prefill[1].inflight_tokens = 500              # ... behind 500 queued tokens
+    assert RoutingPolicy(block_size=BS).choose(hashes, len(ids), prefill, decode).prefill_worker == "p0"
+
+
+def test_a_short_uncached_part_is_prefilled_locally() -> None:
+    prefill, decode = _views()
+    ids, hashes = _prompt(40)
+    d = RoutingPolicy(block_size=BS, local_prefill_max_tokens=64).choose(hashes, len(ids), prefill, decode)
+    assert d.prefill_worker is None and not d.wait_for_prefill
+
+
+@pytest.mark.parametrize("how", ["excluded", "silent", "dead"])
+def test_with_a_prefill_pool_a_long_prompt_waits_instead_of_running_on_a_decode_worker(how: str) -> None:
+    prefill, decode = _views()
+    exclude = frozenset()
+    if how == "excluded":
+        exclude = frozenset({"p0", "p1"})
+    for w in prefill:
+        if how == "silent":
+            w.unresponsive_since = 1.0
+        elif how == "dead":
+            w.alive = False
+    ids, hashes = _prompt(300)
+    pooled = RoutingPolicy(block_size=BS, local_prefill_max_tokens=64, prefill_pool=True)
+    d = pooled.choose(hashes, len(ids), prefill, decode, exclude)
+    assert d.wait_for_prefill and d.prefill_worker is None
+    # a prompt within the local budget still runs at once on the decode worker
+    short_ids, short_hashes = _prompt(30)
+    assert not pooled.choose(short_hashes, len(short_ids), prefill, decode, exclude).wait_for_prefill
+    # without a prefill pool (prefill.min_replicas 0) the decode worker prefills everything
+    alone = RoutingPolicy(block_size=BS, local_prefill_max_tokens=64)
+    d = alone.choose(hashes, len(ids), prefill, decode, exclude)
+    assert d.prefill_worker is None and not d.wait_for_prefill
+
+
+def test_no_decode_worker_is_none() -> None:
+    prefill, decode = _views()
+    for w in decode:
+        w.alive = False
+    ids, hashes = _prompt(20)
+    assert RoutingPolicy(block_size=BS, prefill_pool=True).choose(hashes, len(ids), prefill, decode) is None
