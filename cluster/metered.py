@@ -91,6 +91,12 @@ class MeteredDecodeWorker(_Placed, DecodeWorker):
         self._node = _placement()
         self._publisher = _Publisher(self, "decode")
 
+    def _observe_itl(self, gaps: list[float]) -> None:  # every step's inter-token gaps
+        try:
+            self._publisher.metrics.observe_itl(gaps)
+        except Exception:
+            logger.exception("metrics observe failed")
+
     def _publish(self, outputs) -> None:  # every step's outputs pass through here
         for out in outputs:
             if out.finished and isinstance(out.phase, PhaseRecord):

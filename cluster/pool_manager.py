@@ -236,6 +236,7 @@ class PoolManager:
                     started_at=v.started_at, queued_prompt_tokens=v.inflight_tokens,
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
                     kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
+                    itl_ms=_itl_ms(stats) if role == "decode" else None,
                     draining=wid in record.draining))
         return out
 
@@ -300,3 +301,9 @@ class PoolManager:
         for record in self.pools.values():
             for wid in list(record.handles):
                 await self._stop(wid)
+
+
+def _itl_ms(stats: dict) -> float | None:
+    """A decode worker's recent mean inter-token latency (ms) from its stats; None when unknown."""
+    value = stats.get("itl_ms")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig, EngineMode
@@ -29,6 +30,8 @@ from pdserve.kv_transfer import KVReceiver, RecvState
 from pdserve.kv_transfer.kv_worker import KVWorker
 
 logger = logging.getLogger(__name__)
+
+ITL_WINDOW_S = 10.0  # the window of the inter-token latency a decode worker reports
 
 
 @dataclass(slots=True)
@@ -60,6 +63,11 @@ class DecodeWorker(KVWorker):
         self._outbox: list[StepOutput] = []
         self._outbox_cv = threading.Condition()
         self._outbox_limit = outbox_limit
+        # inter-token latency as the streams see it at this worker: the gap between a request's
+        # consecutive outputs with tokens, over the last ITL_WINDOW_S (stats' itl_ms, the planner)
+        self._last_emit: dict[str, float] = {}
+        self._itl_window: deque[tuple[float, float]] = deque(maxlen=8192)
+        self._itl_lock = threading.Lock()
         self._start_loop(self._publish, self._on_tick)
 
     # ------------------------------------------------------------------ peers
@@ -183,11 +191,41 @@ class DecodeWorker(KVWorker):
         self._publish([StepOutput(request_id, finished=True, finish_reason="error", error=message)])
 
     def _publish(self, outputs: list[StepOutput]) -> None:
+        self._record_itl(outputs)
         with self._outbox_cv:
             self._outbox.extend(outputs)
             if len(self._outbox) > self._outbox_limit:
                 logger.error("outbox over %d entries: is a router draining it?", self._outbox_limit)
             self._outbox_cv.notify_all()
+
+    def _record_itl(self, outputs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        gaps = []
+        for out in outputs:
+            if out.new_token_ids:
+                last = self._last_emit.get(out.request_id)
+                if last is not None:
+                    gaps.append(now - last)
+                self._last_emit[out.request_id] = now
+            if out.finished:
+                self._last_emit.pop(out.request_id, None)
+        if gaps:
+            with self._itl_lock:
+                self._itl_window.extend((now, g) for g in gaps)
+            self._observe_itl(gaps)
+
+    def _observe_itl(self, gaps: list[float]) -> None:
+        """Hook for the metrics (``cluster/metered.py``); the gaps are in seconds."""
+
+    def recent_itl_ms(self, window_s: float = ITL_WINDOW_S) -> float | None:
+        """Mean inter-token gap of the last ``window_s`` in ms; None when nothing decoded then."""
+        horizon = time.monotonic() - window_s
+        with self._itl_lock:
+            while self._itl_window and self._itl_window[0][0] < horizon:
+                self._itl_window.popleft()
+            if not self._itl_window:
+                return None
+            return 1000.0 * sum(g for _, g in self._itl_window) / len(self._itl_window)
 
     # -------------------------------------------------------------- output
     def drain(self, timeout_s: float = 0.05) -> list[StepOutput]:
@@ -204,7 +242,8 @@ class DecodeWorker(KVWorker):
 
     def stats(self) -> dict[str, object]:
         # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
-        return {**self._base_stats(), **self.engine.runner.describe(), "reservations": len(self._reservations)}
+        return {**self._base_stats(), **self.engine.runner.describe(), "reservations": len(self._reservations),
+                "itl_ms": self.recent_itl_ms()}
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         res = self._reservations.get(request_id)

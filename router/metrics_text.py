@@ -9,9 +9,10 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
 class _Histogram:
@@ -44,6 +45,7 @@ class RouterMetrics:
         self._tokens: Counter[str] = Counter()
         self._ttft = _Histogram(_LATENCY_BUCKETS_S)
         self._e2e = _Histogram(_LATENCY_BUCKETS_S)
+        self._itl = _Histogram(_ITL_BUCKETS_S)
         self._gauges: dict[str, Callable[[], float]] = {}
 
     def add_gauge(self, name: str, read: Callable[[], float]) -> None:
@@ -55,8 +57,11 @@ class RouterMetrics:
             self._requests[(api, outcome)] += 1
 
     def observe_finished(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                         ttft_s: float | None, total_s: float) -> None:
+                         ttft_s: float | None, total_s: float, itl_s: Sequence[float] = ()) -> None:
+        """One finished request; ``itl_s``: the gaps between its consecutive token chunks."""
         with self._lock:
+            for gap in itl_s:
+                self._itl.observe(gap)
             self._tokens["prompt"] += prompt_tokens
             self._tokens["cached_prompt"] += cached_tokens
             self._tokens["completion"] += completion_tokens
@@ -75,7 +80,9 @@ class RouterMetrics:
                 name = f"{p}{kind}_tokens_total"
                 lines += [f"# TYPE {name} counter", f"{name} {self._tokens[kind]}"]
             for name, hist, what in ((f"{p}time_to_first_token_seconds", self._ttft, "Time to first token."),
-                                     (f"{p}request_duration_seconds", self._e2e, "End-to-end request time.")):
+                                     (f"{p}request_duration_seconds", self._e2e, "End-to-end request time."),
+                                     (f"{p}inter_token_latency_seconds", self._itl,
+                                      "Gap between consecutive token chunks of one stream, as the router sends them.")):
                 lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"] + hist.lines(name)
         for name, read in sorted(self._gauges.items()):
             lines += [f"# TYPE {p}{name} gauge", f"{p}{name} {read():g}"]

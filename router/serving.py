@@ -271,6 +271,8 @@ class RequestStream:
         req = self._req
         text = OutputText(self._s.tokenizer, req.prompt_token_ids, req.params.stop)
         completion = 0
+        gaps: list[float] = []
+        last_chunk_at: float | None = None
         while True:
             try:
                 item = await self._next()
@@ -289,6 +291,10 @@ class RequestStream:
                 if text.stopped:  # stop the engine before the client even sees this chunk
                     await self._s.backend.abort(req.request_id)
                 if ids:
+                    now = time.monotonic()
+                    if last_chunk_at is not None:
+                        gaps.append(now - last_chunk_at)
+                    last_chunk_at = now
                     yield Chunk(ids, "".join(pieces), lps)
                 if not text.stopped:
                     continue
@@ -306,5 +312,5 @@ class RequestStream:
         self._outcome = item.error.error_type if item.error is not None else reason
         if item.error is None:
             self._s.metrics.observe_finished(len(req.prompt_token_ids), cached, completion,
-                                             phase.get("ttft_s"), float(phase.get("total_s") or 0.0))
+                                             phase.get("ttft_s"), float(phase.get("total_s") or 0.0), gaps)
         yield Final(reason, len(req.prompt_token_ids), cached, completion, phase, item.error)
