@@ -74,7 +74,8 @@ class PoolManager:
         try:
             handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
                                   num_cpus=self.config.replica_cpus(role), num_gpus=settings.num_gpus,
-                                  resources=settings.resources, namespace=self.namespace,
+                                  resources=settings.resources, accelerator_type=settings.accelerator_type,
+                                  namespace=self.namespace,
                                   detached=self.detached,
                                   transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s)
             handle.metadata = await self._wait_placed(role, handle)

@@ -39,6 +39,43 @@ def _actor_class(role: str) -> type:
     raise ValueError(f"unknown worker role {role!r}")
 
 
+def actor_options(
+    role: str,
+    worker_id: str,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    resources: dict[str, float] | None = None,
+    accelerator_type: str | None = None,
+    namespace: str | None = None,
+    detached: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The Ray actor options of one worker (pure: what ``start_worker`` asks Ray for).
+    ``accelerator_type`` places it only on nodes that advertise that accelerator (Ray's
+    ``accelerator_type:<name>`` resource, e.g. ``H100``)."""
+    options: dict[str, Any] = {
+        "name": ACTOR_PREFIX[role] + worker_id,
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "resources": dict(resources or {}),
+        "max_concurrency": ACTOR_MAX_CONCURRENCY,
+        "max_restarts": 0,
+    }
+    if accelerator_type:
+        options["accelerator_type"] = accelerator_type
+    if namespace:
+        options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    env_vars = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        # A loopback-only (single machine) cluster: keep UCX's control traffic on lo as well.
+        env_vars["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
+    options["runtime_env"] = {"env_vars": {**env_vars, **(env or {})}}
+    return options
+
+
 def start_worker(
     role: str,
     worker_id: str,
@@ -47,6 +84,7 @@ def start_worker(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     resources: dict[str, float] | None = None,
+    accelerator_type: str | None = None,
     namespace: str | None = None,
     detached: bool = False,
     env: dict[str, str] | None = None,
@@ -63,24 +101,8 @@ def start_worker(
         from dataclasses import replace
 
         engine_config = replace(engine_config, mode=mode)
-    options: dict[str, Any] = {
-        "name": ACTOR_PREFIX[role] + worker_id,
-        "num_cpus": num_cpus,
-        "num_gpus": num_gpus,
-        "resources": dict(resources or {}),
-        "max_concurrency": ACTOR_MAX_CONCURRENCY,
-        "max_restarts": 0,
-    }
-    if namespace:
-        options["namespace"] = namespace
-    if detached:
-        options["lifetime"] = "detached"
-    env_vars = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
-        # A loopback-only (single machine) cluster: keep UCX's control traffic on lo as well.
-        env_vars["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
-    runtime_env = {"env_vars": {**env_vars, **(env or {})}}
-    options["runtime_env"] = runtime_env
+    options = actor_options(role, worker_id, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                            accelerator_type=accelerator_type, namespace=namespace, detached=detached, env=env)
     cls = ray.remote(_actor_class(role))
     actor = cls.options(**options).remote(worker_id, engine_config, transfer_timeout_s=transfer_timeout_s,
                                           num_cpus=num_cpus, **(worker_kwargs or {}))
