@@ -120,13 +120,14 @@ class DisaggBackend:
         failures: dict[str, str] = {}
         acc: dict[str, object] = {"attempts": 0, "migrations": 0}
         first_token_at: float | None = None
+        prefer: str | None = None  # the prefill worker that holds the prompt's KV after a decode-side loss
         for attempt_no in range(1, self.max_attempts + 1):
             acc["attempts"] = attempt_no
             prompt = req.prompt_token_ids + emitted
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
             attempt = f"{req.request_id}#{attempt_no}"
             try:
-                decision = await self._route(prompt, excluded, req.deadline)
+                decision = await self._route(prompt, excluded, req.deadline, prefer)
                 async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
                     if isinstance(item, TokenDelta):
                         if first_token_at is None:
@@ -143,6 +144,10 @@ class DisaggBackend:
                     yield self._finish(Finished("error", {}, repeated), req, emitted, started, first_token_at, acc)
                     return
                 excluded.add(exc.worker_id)
+                # the decode side failed after (or while) the prompt was prefilled: that prefill
+                # worker keeps the prompt's KV in its prefix cache, so the retry goes there again
+                p_prev = acc.get("prefill_worker")
+                prefer = p_prev if p_prev and p_prev != exc.worker_id and p_prev != acc.get("decode_worker") else None
                 if emitted:
                     self.migrations += 1
                     acc["migrations"] = int(acc["migrations"]) + 1
@@ -159,7 +164,8 @@ class DisaggBackend:
         yield self._finish(Finished("error", {}, err), req, emitted, started, first_token_at, acc)
 
     # -------------------------------------------------------------- attempts
-    async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None) -> RoutingDecision:
+    async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None,
+                     prefer: str | None = None) -> RoutingDecision:
         """Pick workers, avoiding those that failed this request before; when that leaves no
         decode worker (or no prefill worker for a prompt that needs one), the earlier ones are
         tried again (their failure may have been transient). A prompt that needs a prefill worker
@@ -172,7 +178,7 @@ class DisaggBackend:
             decision = None
             for skip in (frozenset(excluded), frozenset()):
                 decision = self.policy.choose(hashes, len(prompt), self.pool.views("prefill"),
-                                              self.pool.views("decode"), skip)
+                                              self.pool.views("decode"), skip, prefer)
                 if decision is not None and not decision.wait_for_prefill:
                     if waiting_since is not None:
                         logger.info("prefill worker %s available after %.1f s", decision.prefill_worker,

@@ -87,8 +87,11 @@ class RoutingPolicy:
 
     def choose(self, prompt_hashes: list[int], num_prompt_tokens: int,
                prefill: list[WorkerView], decode: list[WorkerView],
-               exclude: frozenset[str] = frozenset()) -> RoutingDecision | None:
-        """Pick a decode worker and a prefill worker (or local prefill); None if no decode worker."""
+               exclude: frozenset[str] = frozenset(), prefer_prefill: str | None = None) -> RoutingDecision | None:
+        """Pick a decode worker and a prefill worker (or local prefill); None if no decode worker.
+        ``prefer_prefill``: the prefill worker of this request's previous attempt, which holds its
+        prompt's KV in its prefix cache (the router may not have seen that worker's KV events
+        yet); it is taken while it is routable, so a retry reuses the prefill already done."""
         d_candidates = [w for w in decode if w.routable and w.worker_id not in exclude]
         if not d_candidates:
             # A draining worker still serves when nothing else can (it only stops getting work
@@ -103,6 +106,12 @@ class RoutingPolicy:
                 return RoutingDecision(d.worker_id, None, 0, "no prefill worker can take it now: waiting for one",
                                        wait_for_prefill=True)
             return RoutingDecision(d.worker_id, None, 0, "no prefill worker available: local prefill")
+        preferred = next((w for w in p_candidates if w.worker_id == prefer_prefill), None)
+        if preferred is not None:
+            return RoutingDecision(d.worker_id, preferred.worker_id,
+                                   min(cached_prefix_blocks(preferred, prompt_hashes) * self.block_size,
+                                       max(0, num_prompt_tokens - 1)),
+                                   f"prefill on {preferred.worker_id}, which holds this prompt's KV from the last attempt")
         best, best_score, best_cached = None, float("-inf"), 0
         for w in p_candidates:
             cached = cached_prefix_blocks(w, prompt_hashes) * self.block_size

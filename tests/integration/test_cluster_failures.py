@@ -147,6 +147,32 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def test_a_decode_loss_after_prefill_reuses_the_prefill_workers_kv(cluster: ClusterHarness) -> None:
+    """The decode worker dies right after the prompt was prefilled and its first token sent: the
+    migration goes back to the prefill worker that did it, whose prefix cache still holds the
+    prompt's KV, so almost nothing is computed again; the client's tokens are unchanged. (The
+    router's KV-event view usually already points there; the retry's preference for the previous
+    prefill worker, unit-tested in test_routing_policy, covers a retry routed before it does.)"""
+    cluster.ensure_replicas("prefill", 2)
+    cluster.ensure_replicas("decode", 3)
+    killed: list[str] = []
+
+    def kill_after_first(n: int, tokens: list[int]) -> None:
+        if n == 1:
+            victim = cluster.busy_member("decode")
+            assert victim is not None
+            cluster.kill(victim)
+            killed.append(victim.worker_id)
+
+    tokens, phase = stream_tokens(cluster, LONG_PROMPT, GEN, kill_after_first)
+    assert killed, "no decode worker held the stream after its first token"
+    assert tokens == cluster.ref[LONG_PROMPT]
+    assert phase["migrations"] == 1 and phase["attempts"] == 2, phase
+    # the second prefill found the prompt's blocks cached (1,500+ tokens; whole 16-token blocks)
+    assert phase["cached_prompt_tokens"] >= 1400, phase
+    cluster.assert_nothing_held()
+
+
 def test_a_briefly_frozen_worker_gets_no_new_requests_then_serves_again(cluster: ClusterHarness) -> None:
     cluster.ensure_replicas("prefill", 1)
     cluster.ensure_replicas("decode", 2)

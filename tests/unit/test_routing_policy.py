@@ -76,3 +76,15 @@ def test_no_decode_worker_is_none() -> None:
         w.alive = False
     ids, hashes = _prompt(20)
     assert RoutingPolicy(block_size=BS, prefill_pool=True).choose(hashes, len(ids), prefill, decode) is None
+
+
+def test_a_retry_prefers_the_prefill_worker_that_holds_its_kv() -> None:
+    prefill, decode = _views()
+    ids, hashes = _prompt(200)
+    policy = RoutingPolicy(block_size=BS)
+    assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker == "p0"      # a tie: the first
+    d = policy.choose(hashes, len(ids), prefill, decode, prefer_prefill="p1")
+    assert d.prefill_worker == "p1" and "last attempt" in d.reason
+    # not while it is excluded, silent or gone
+    prefill[1].unresponsive_since = 1.0
+    assert policy.choose(hashes, len(ids), prefill, decode, prefer_prefill="p1").prefill_worker == "p0"
