@@ -231,6 +231,12 @@ class DisaggregationSettings(_Settings):
                                   "or went silent), the request waits in the router this long for one "
                                   "(or until its deadline), then fails with 503; it is never prefilled "
                                   "on a decode worker's running streams.")
+    max_predicted_ttft_s: float | None = Field(None, gt=0, description="Refuse a new request at once "
+                                               "(HTTP 429 / gRPC RESOURCE_EXHAUSTED, with Retry-After) "
+                                               "when its predicted time to first token is over this: the "
+                                               "prompt tokens queued on its prefill worker plus its own "
+                                               "uncached ones, over that worker's measured prefill rate. "
+                                               "Unset: requests queue instead.")
     kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a handoff's KV reservation "
                                          "lives without a renewal from the router, which renews it on "
                                          "both workers every third of this while the prefill is queued "

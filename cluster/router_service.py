@@ -154,7 +154,8 @@ class RouterService:
         self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger_writer,
                                      call_timeout_s=cfg.router.request_timeout_s,
                                      transfer_timeout_s=cfg.router.disaggregation.kv_transfer_timeout_s,
-                                     prefill_wait_s=cfg.router.disaggregation.prefill_wait_s)
+                                     prefill_wait_s=cfg.router.disaggregation.prefill_wait_s,
+                                     max_predicted_ttft_s=cfg.router.disaggregation.max_predicted_ttft_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
         from pdserve.cluster.metrics import PlannerMetrics, RouterMetrics

@@ -66,6 +66,9 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    # seconds of step time spent on prompt tokens (a step's time split by its tokens): with
+    # prompt_tokens_computed, the engine's measured prefill rate when busy
+    prefill_compute_s: float = 0.0
 
 
 class LLMEngine:
@@ -110,6 +113,7 @@ class LLMEngine:
         self._steps = 0
         self._generated = 0
         self._prompt_computed = 0
+        self._prefill_compute_s = 0.0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -290,6 +294,7 @@ class LLMEngine:
         for c in sched.chunks:
             if c.seq.first_token_time is None:
                 c.seq.prefill_compute_s += elapsed * c.num_tokens / total
+                self._prefill_compute_s += elapsed * c.num_tokens / total
                 self._prompt_computed += c.num_tokens
 
     def _collect(self, sched: SchedulerOutput, sampling: list[Sequence], tokens: list[int],
@@ -348,6 +353,7 @@ class LLMEngine:
             prefix_query_tokens=bm.prefix_query_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions_total,
+            prefill_compute_s=self._prefill_compute_s,
         )
 
     def generate(

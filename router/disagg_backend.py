@@ -33,6 +33,7 @@ from pdserve.engine.errors import (
     EngineStepError,
     KVTransferError,
     OutOfBlocksError,
+    OverloadedError,
     PdserveError,
     WorkerUnavailableError,
     request_error,
@@ -72,11 +73,14 @@ class DisaggBackend:
     def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
                  ledger: LedgerWriter | None = None, max_attempts: int = 4, lease_s: float = 120.0,
                  reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0,
-                 transfer_timeout_s: float = 30.0, prefill_wait_s: float = 60.0) -> None:
+                 transfer_timeout_s: float = 30.0, prefill_wait_s: float = 60.0,
+                 max_predicted_ttft_s: float | None = None) -> None:
         """``transfer_timeout_s``: the workers' KV transfer timeout; a handoff's reservation is
         renewed every third of it while its prefill is queued or running. ``prefill_wait_s``: how
         long a prompt too long for local prefill waits for a prefill worker when none can take it
-        (the policy's ``prefill_pool``) before it fails with 503."""
+        (the policy's ``prefill_pool``) before it fails with 503. ``max_predicted_ttft_s``: a new
+        request whose predicted time to first token on its prefill worker is over this is refused
+        at once (429 + Retry-After) instead of queueing; None: never."""
         self._info = info
         self.pool = pool
         self.policy = policy or RoutingPolicy()
@@ -88,6 +92,8 @@ class DisaggBackend:
         self.renew_interval_s = transfer_timeout_s / 3
         self.prefill_wait_s = prefill_wait_s
         self.prefill_waits = 0        # requests that waited for a prefill worker
+        self.max_predicted_ttft_s = max_predicted_ttft_s
+        self.ttft_refusals = 0        # requests refused for their predicted TTFT
         self.renewals = 0
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
         self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
@@ -128,6 +134,8 @@ class DisaggBackend:
             attempt = f"{req.request_id}#{attempt_no}"
             try:
                 decision = await self._route(prompt, excluded, req.deadline, prefer)
+                if attempt_no == 1:
+                    self._admit_by_predicted_ttft(decision, len(prompt))
                 async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
                     if isinstance(item, TokenDelta):
                         if first_token_at is None:
@@ -200,6 +208,31 @@ class DisaggBackend:
                     f"no prefill worker could take this {len(prompt)}-token prompt within {now - waiting_since:.0f} s "
                     "(the prefill pool has no live replica); retry later")
             await asyncio.sleep(0.05)
+
+    def predicted_ttft_s(self, decision: RoutingDecision, num_prompt_tokens: int) -> float | None:
+        """Seconds until this prompt's first token on the decision's prefill worker: the prompt
+        tokens the router has queued there plus this prompt's uncached ones, over the worker's
+        measured prefill rate. None for a local prefill or while the rate is unknown."""
+        member = self.pool.members.get(decision.prefill_worker) if decision.prefill_worker else None
+        rate = member.view.prefill_tokens_per_s if member is not None else None
+        if not rate:
+            return None
+        uncached = max(1, num_prompt_tokens - decision.cached_prefix_tokens)
+        return (member.view.inflight_tokens + uncached) / rate
+
+    def _admit_by_predicted_ttft(self, decision: RoutingDecision, num_prompt_tokens: int) -> None:
+        limit = self.max_predicted_ttft_s
+        if limit is None:
+            return
+        predicted = self.predicted_ttft_s(decision, num_prompt_tokens)
+        if predicted is None or predicted <= limit:
+            return
+        self.ttft_refusals += 1
+        queued = self.pool.members[decision.prefill_worker].view.inflight_tokens
+        raise OverloadedError(
+            f"predicted time to first token {predicted:.1f} s is over this server's limit of {limit:g} s "
+            f"({queued} prompt tokens are queued for prefill); retry later",
+            retry_after_s=min(60.0, max(1.0, predicted - limit)))
 
     async def _call(self, worker_id: str, ref_fn, timeout_s: float | None = None):
         """Await one Ray call; a dead worker becomes ``WorkerLost``."""
@@ -302,24 +335,28 @@ class DisaggBackend:
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
                        req: GenerateRequest, acc: dict, queue: asyncio.Queue) -> TokenDelta | None:
         """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
-        tp = await self._reserve(attempt, d, len(prompt), req.deadline)
-        await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
         member = self.pool.members.get(p)
         if member is None:  # removed (dead) between routing and now: retried elsewhere, like a lost call
             raise WorkerLost(p, "left the pool before its prefill started")
         p_view = member.view
+        # Counted as queued on P from the moment it was routed there (no await since): requests
+        # routed together see each other's tokens (routing and the predicted-TTFT admission).
         p_view.inflight_tokens += len(prompt)
         try:
+            tp = await self._reserve(attempt, d, len(prompt), req.deadline)
+            await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
+            if p not in self.pool.members:
+                raise WorkerLost(p, "left the pool before its prefill started")
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
             renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p))
             try:
                 res = await self._prefill_unless_decode_lost(
                     d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
+            except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
+                await self._blame_decode_if_gone(d, str(exc))
+                raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
             finally:
                 renewer.cancel()
-        except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
-            await self._blame_decode_if_gone(d, str(exc))
-            raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
         finally:
             p_view.inflight_tokens -= len(prompt)
         if res.finish_reason in ("error", "abort"):

@@ -30,6 +30,8 @@ class WorkerView:
     inflight_tokens: int = 0
     inflight_requests: int = 0
     cached_hashes: set[int] = field(default_factory=set)
+    # prompt tokens per second while prefilling, measured from the worker's stats (None: not yet)
+    prefill_tokens_per_s: float | None = None
     started_at: float = 0.0                              # wall clock, from the worker
     stats: dict = field(default_factory=dict)            # the worker's latest raw stats
 

@@ -226,4 +226,21 @@ class WorkerPool:
         v.num_running = int(stats.get("num_running", 0))
         v.num_waiting = int(stats.get("num_waiting", 0))
         v.started_at = float(stats.get("started_at", v.started_at))
+        v.prefill_tokens_per_s = measured_prefill_rate(v.prefill_tokens_per_s, v.stats, stats)
         v.stats = stats
+
+
+def measured_prefill_rate(rate: float | None, prev: dict, stats: dict, weight: float = 0.5) -> float | None:
+    """The prompt tokens/s a worker prefills at while busy: what its ``prompt_tokens_computed``
+    gained over what its ``prefill_compute_s`` gained since the previous stats, averaged with the
+    previous rate (``weight`` on the new sample). Unchanged when it prefilled nothing since (an
+    idle worker keeps its rate) or restarted (counters went back)."""
+    try:
+        tokens = float(stats["prompt_tokens_computed"]) - float(prev["prompt_tokens_computed"])
+        seconds = float(stats["prefill_compute_s"]) - float(prev["prefill_compute_s"])
+    except (KeyError, TypeError, ValueError):
+        return rate
+    if tokens <= 0 or seconds <= 0:
+        return rate
+    sample = tokens / seconds
+    return sample if rate is None else weight * sample + (1 - weight) * rate

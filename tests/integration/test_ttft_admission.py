@@ -1,0 +1,73 @@
+"""Admission by predicted time to first token: a real ``RouterService`` (one prefill, one decode
+Ray actor, ledger in Redis) on 127.0.0.1, the tiny model, ``router.disaggregation.
+max_predicted_ttft_s`` set, a prefill worker slowed to one request at a time in 8-token chunks.
+
+A burst of long prompts: those whose predicted TTFT (the prompt tokens queued on the prefill
+worker plus their own, over its measured rate) is over the limit get 429 with Retry-After at
+once, without touching a worker; the others complete. No 5xx, nothing left held.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import pytest
+import requests
+from cluster_helpers import ClusterHarness, cluster_config, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+LIMIT_S = 0.5
+PROMPTS = 16
+PROMPT_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, ray_session, redis_server):
+    h = ClusterHarness(cluster_config(tiny_model, **{
+        "router.disaggregation.max_predicted_ttft_s": LIMIT_S,
+        "router.disaggregation.mode": "always",
+        "prefill.engine.max_num_seqs": 1,
+        "prefill.engine.max_num_batched_tokens": 8,
+        "decode.engine.kv_cache_memory_gb": 0.1,
+    }), redis_server.url)
+    h.start()
+    try:
+        yield h
+        h.assert_nothing_held()
+    finally:
+        h.stop()
+
+
+def _post(cluster: ClusterHarness, prompt: list[int]) -> tuple[requests.Response, float]:
+    t0 = time.monotonic()
+    resp = requests.post(cluster.http_url + "/v1/completions", timeout=120, json={
+        "model": cluster.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    return resp, time.monotonic() - t0
+
+
+def test_a_burst_over_the_predicted_ttft_limit_is_refused_at_once(cluster: ClusterHarness) -> None:
+    rng = random.Random(3)
+    vocab = cluster.service.serving.info.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS + 1)]
+    warm, _ = _post(cluster, prompts[-1])       # the router learns the prefill worker's rate
+    assert warm.status_code == 200, warm.text
+    prefill = cluster.members("prefill")[0]
+    wait_until(lambda: prefill.view.prefill_tokens_per_s is not None, 10.0, "a measured prefill rate")
+    backend = cluster.service.backend
+    refused_before = backend.ttft_refusals
+    with concurrent.futures.ThreadPoolExecutor(PROMPTS) as pool:
+        results = list(pool.map(lambda p: _post(cluster, p), prompts[:PROMPTS]))
+    codes = [r.status_code for r, _ in results]
+    assert set(codes) <= {200, 429}, codes
+    ok = [r for r, _ in results if r.status_code == 200]
+    refused = [(r, s) for r, s in results if r.status_code == 429]
+    assert ok and refused, codes
+    assert backend.ttft_refusals - refused_before == len(refused)
+    for r, seconds in refused:
+        err = r.json()["error"]
+        assert "predicted time to first token" in err["message"] and int(r.headers["Retry-After"]) >= 1
+        assert seconds < 2.0, f"a refusal took {seconds:.2f} s: it must come at once, not after queueing"
+    assert all(len(r.json()["pdserve"]["token_ids"]) == 4 for r in ok)
