@@ -126,6 +126,11 @@ def _status(server) -> dict:
         return {}
 
 
+def _expired(status: dict) -> int:
+    """Decode workers' expired reservations (a prefill thrown away), summed, from ``status``."""
+    return sum(int(w.get("expired_reservations") or 0) for w in status.get("workers", []))
+
+
 def _interference_groups(seed: int, with_long: bool) -> list[GroupSpec]:
     groups = [GroupSpec("decoders", 2 * DECODERS, prompt_len=DECODER_IN, output_len=DECODER_OUT, concurrency=DECODERS,
                         seed=seed)]
@@ -186,6 +191,7 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
             rec = {"decoders_alone": dec_alone, "decoders_with_long": dec_mixed,
                    "long": _group_figures(s_mixed, "long"),
                    "retries": after.get("retries", 0) - before.get("retries", 0) if after else None,
+                   "expired_reservations": (_expired(after) - _expired(before)) if after and before else None,
                    "migrations": after.get("migrations", 0) - before.get("migrations", 0) if after else None,
                    "itl_p99_with_over_without_long": (dec_mixed["itl_p99_ms"] / dec_alone["itl_p99_ms"]
                                                       if dec_alone.get("itl_p99_ms") else None),
@@ -194,7 +200,8 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
             results[label] = rec
             print(f"{label:26s} decoders ITL p99 {dec_alone['itl_p99_ms']:7.1f} ms alone, {dec_mixed['itl_p99_ms']:7.1f} ms "
                   f"with long prompts (max {dec_mixed['itl_max_ms']:.0f} ms, {dec_mixed['stalls']} stalls); long TTFT p50 "
-                  f"{rec['long'].get('ttft_p50_ms') or float('nan'):7.0f} ms; retries {rec['retries']} migrations "
+                  f"{rec['long'].get('ttft_p50_ms') or float('nan'):7.0f} ms; retries {rec['retries']} expired reservations "
+                  f"{rec['expired_reservations']} migrations "
                   f"{rec['migrations']}; failed {dec_mixed['failed'] + rec['long'].get('failed', 0)}", flush=True)
             time.sleep(3)
     ratios = {}

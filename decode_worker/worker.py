@@ -68,6 +68,9 @@ class DecodeWorker(KVWorker):
         self._last_emit: dict[str, float] = {}
         self._itl_window: deque[tuple[float, float]] = deque(maxlen=8192)
         self._itl_lock = threading.Lock()
+        # reservations that ended because their KV did not land (or their start did not come)
+        # in time: a prefill thrown away, or a router gone (stats: expired_reservations)
+        self.expired_reservations = 0
         self._start_loop(self._publish, self._on_tick)
 
     # ------------------------------------------------------------------ peers
@@ -167,8 +170,11 @@ class DecodeWorker(KVWorker):
                 self.engine.release_reserved(res.blocks)
                 self._emit_error(res.request_id, f"could not admit the request: {exc}")
         elif res.pending_start is None and time.monotonic() > res.expires_at:
+            self.expired_reservations += 1
             self._end_reservation(res, "reservation expired: no start call arrived")
         elif state.terminal and state is not RecvState.LANDED:
+            if state is RecvState.TIMED_OUT:
+                self.expired_reservations += 1
             reason = res.receiver.reason or state.value
             self._end_reservation(res, reason)
             if res.pending_start is not None:
@@ -243,7 +249,7 @@ class DecodeWorker(KVWorker):
     def stats(self) -> dict[str, object]:
         # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
         return {**self._base_stats(), **self.engine.runner.describe(), "reservations": len(self._reservations),
-                "itl_ms": self.recent_itl_ms()}
+                "itl_ms": self.recent_itl_ms(), "expired_reservations": self.expired_reservations}
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         res = self._reservations.get(request_id)

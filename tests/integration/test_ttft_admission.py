@@ -19,7 +19,7 @@ from cluster_helpers import ClusterHarness, cluster_config, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-LIMIT_S = 0.5
+LIMIT_S = 0.3
 PROMPTS = 16
 PROMPT_LEN = 512
 
