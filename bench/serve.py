@@ -119,7 +119,7 @@ def _status(server) -> dict:
     """``pdserve status --json`` of a started pdserve server (retries, migrations, workers)."""
     if server.kind == "vllm":
         return {}
-    done = server._pdserve("status", "--json", timeout_s=60)
+    done = server.pdserve_cli("status", "--json", timeout_s=60)
     try:
         return json.loads(done.stdout)
     except ValueError:
@@ -328,6 +328,11 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     error = _check(args)
+    if error is None:
+        try:
+            _group(args, args.seed)  # GroupSpec checks the load's shape (rate > 0, concurrency >= 1, ...)
+        except ValueError as exc:
+            error = str(exc)
     if error:
         print(f"bench serve: error: {error}", file=sys.stderr)
         return 2
@@ -336,9 +341,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.url:
         from pdserve.bench.hw import cpu_model
-        from pdserve.bench.servers import _served_name
+        from pdserve.bench.servers import served_model_name
 
-        model = args.model or _served_name(args.url.rstrip("/"))
+        model = args.model or served_model_name(args.url.rstrip("/"))
         rec = _one_run(args, args.url.rstrip("/"), model, _vocab_size(args.model_dir), args.seed)
         result = {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "host": cpu_model(), "url": args.url, "run": rec}

@@ -61,7 +61,7 @@ def _wait_http(url: str, proc: subprocess.Popen | None, timeout_s: float) -> Non
     raise ServerUnavailable(f"{url} did not answer within {timeout_s:.0f} s")
 
 
-def _served_name(url: str) -> str:
+def served_model_name(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
         return json.loads(resp.read())["data"][0]["id"]
 
@@ -90,7 +90,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     # ------------------------------------------------------------------ pdserve
-    def _pdserve(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    def pdserve_cli(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+        """Run ``pdserve ARGS`` (the one installed beside this Python) and return what it did."""
         exe = Path(sys.executable).with_name("pdserve")
         cmd = [str(exe) if exe.exists() else shutil.which("pdserve") or "pdserve", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -102,7 +103,7 @@ class Server:
         args = ["up", "--model", self.model_dir, "--timeout", str(int(self.start_timeout_s))]
         for s in sets:
             args += ["--set", s]
-        done = self._pdserve(*args, timeout_s=self.start_timeout_s + 30)
+        done = self.pdserve_cli(*args, timeout_s=self.start_timeout_s + 30)
         if done.returncode != 0:
             raise ServerUnavailable(f"pdserve up failed: {(done.stderr or done.stdout).strip()[-400:]}")
         _wait_http(self.url + "/v1/models", None, 30)
@@ -151,7 +152,7 @@ class Server:
             self.stop()
             raise
         self.start_s = time.monotonic() - t0
-        self.served_model = _served_name(self.url)
+        self.served_model = served_model_name(self.url)
         logger.info("%s up on %s in %.0f s (model %s)", self.kind, self.url, self.start_s, self.served_model)
         return self
 
@@ -160,7 +161,7 @@ class Server:
 
     def stop(self) -> None:
         if self.kind != "vllm":
-            done = self._pdserve("down", timeout_s=120)
+            done = self.pdserve_cli("down", timeout_s=120)
             if done.returncode != 0:
                 logger.warning("pdserve down: %s", (done.stderr or done.stdout).strip()[-300:])
             return

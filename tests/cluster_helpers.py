@@ -56,6 +56,15 @@ TEST_OVERRIDES: dict[str, Any] = {
 }
 
 
+# A prefill pool that takes one request at a time in 8-token chunks: long prompts queue there.
+SLOW_PREFILL_OVERRIDES: dict[str, Any] = {
+    "router.disaggregation.mode": "always",
+    "prefill.engine.max_num_seqs": 1,
+    "prefill.engine.max_num_batched_tokens": 8,
+    "decode.engine.kv_cache_memory_gb": 0.1,
+}
+
+
 def cluster_config(model_dir: str | Path, **overrides: Any) -> ClusterConfig:
     """The test config for ``model_dir``; keyword keys are dotted paths (``decode.min_replicas``)."""
     return apply_overrides(config_from_model(model_dir), {**TEST_OVERRIDES, **overrides})
@@ -236,3 +245,16 @@ class ClusterHarness:
         except TimeoutError as exc:
             raise AssertionError(f"ledger entries still active: "
                                  f"{[(e.request_id, e.state.value) for e in active]}") from exc
+
+
+@contextlib.contextmanager
+def running_cluster(config: ClusterConfig, redis_url: str):
+    """A started ``ClusterHarness`` (a module fixture's body): on the way out it checks nothing
+    is held, then stops it whatever happened."""
+    h = ClusterHarness(config, redis_url)
+    h.start()
+    try:
+        yield h
+        h.assert_nothing_held()
+    finally:
+        h.stop()

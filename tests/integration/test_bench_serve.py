@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cluster_helpers import ClusterHarness, cluster_config
+from cluster_helpers import ClusterHarness, cluster_config, running_cluster
 from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -20,13 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    h = ClusterHarness(cluster_config(tiny_model), redis_server.url)
-    h.start()
-    try:
+    with running_cluster(cluster_config(tiny_model), redis_server.url) as h:
         yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
 
 
 def _vocab(cluster: ClusterHarness) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -221,6 +222,35 @@ def test_a_prompt_waits_in_the_router_while_no_prefill_worker_answers(cluster: C
     assert tokens == cluster.ref[SHORT_PROMPT]
     assert phase["prefill_worker"] in {m.worker_id for m in frozen}, phase
     assert phase["attempts"] == 1, phase
+    cluster.assert_nothing_held()
+
+
+def test_the_wait_for_a_prefill_worker_ends_with_503_after_prefill_wait_s(cluster: ClusterHarness) -> None:
+    cluster.ensure_replicas("prefill", 2)
+    cluster.ensure_replicas("decode", 3)
+    frozen = cluster.members("prefill")
+    pids = [m.view.stats["pid"] for m in frozen]
+    backend = cluster.service.backend
+    saved, backend.prefill_wait_s = backend.prefill_wait_s, 1.0
+    try:
+        with liveness(cluster, stats_timeout_s=1.0, dead_after_s=60.0):
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: not any(m.view.routable for m in frozen), 10.0, "both prefill workers silent")
+                t0 = time.monotonic()
+                with pytest.raises(openai.APIStatusError) as info:
+                    cluster.openai().completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=4)
+                waited = time.monotonic() - t0
+            finally:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+    finally:
+        backend.prefill_wait_s = saved
+    assert info.value.status_code == 503 and "prefill worker" in str(info.value), info.value
+    assert 1.0 <= waited < 10.0, waited
+    wait_until(lambda: all(m.view.routable for m in frozen), 15.0, "the prefill workers routable again")
     cluster.assert_nothing_held()
 
 

@@ -101,6 +101,7 @@ def test_transfer_timeout_frees_blocks_and_a_later_start_fails(pool, spec):
     never_started = new_request_id("timeout-idle")
     started = new_request_id("timeout-started")
     prompt = make_prompt(spec, 40, "timeout")
+    expired = ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S)["expired_reservations"]
     ray.get([D.reserve.remote(rid, len(prompt)) for rid in (never_started, started)], timeout=CALL_TIMEOUT_S)
     assert ray.get(D.blocks_in_use.remote(), timeout=CALL_TIMEOUT_S) == 2 * 3
 
@@ -114,6 +115,8 @@ def test_transfer_timeout_frees_blocks_and_a_later_start_fails(pool, spec):
     wait_nothing_leaked([pool.decode], timeout_s=FREE_WITHIN_S)
     with pytest.raises(KVTransferError, match="no live KV reservation"):
         ray.get(D.start.remote(never_started, prompt, 7, greedy()), timeout=CALL_TIMEOUT_S)
+    # both ended for want of their KV: the worker counts them (stats, pdserve status)
+    assert ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S)["expired_reservations"] == expired + 2
 
 
 def test_abort_after_reserve(pool, spec):

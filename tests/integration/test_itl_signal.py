@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from cluster_helpers import ClusterHarness, cluster_config, wait_until
+from cluster_helpers import ClusterHarness, cluster_config, running_cluster, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,13 +24,8 @@ STREAMS, TOKENS = 4, 40
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    h = ClusterHarness(cluster_config(tiny_model), redis_server.url)
-    h.start()
-    try:
+    with running_cluster(cluster_config(tiny_model), redis_server.url) as h:
         yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
 
 
 def _itl_count(cluster: ClusterHarness) -> int:

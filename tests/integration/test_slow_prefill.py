@@ -19,7 +19,7 @@ import random
 import pytest
 import ray
 import requests
-from cluster_helpers import ClusterHarness, cluster_config
+from cluster_helpers import SLOW_PREFILL_OVERRIDES, ClusterHarness, cluster_config, running_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,19 +31,10 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    h = ClusterHarness(cluster_config(tiny_model, **{
-        "router.disaggregation.kv_transfer_timeout_s": TRANSFER_TIMEOUT_S,
-        "router.disaggregation.mode": "always",
-        "prefill.engine.max_num_seqs": 1,
-        "prefill.engine.max_num_batched_tokens": 8,
-        "decode.engine.kv_cache_memory_gb": 0.1,
-    }), redis_server.url)
-    h.start()
-    try:
+    config = cluster_config(tiny_model, **SLOW_PREFILL_OVERRIDES,
+                            **{"router.disaggregation.kv_transfer_timeout_s": TRANSFER_TIMEOUT_S})
+    with running_cluster(config, redis_server.url) as h:
         yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
 
 
 def _complete(cluster: ClusterHarness, prompt: list[int]) -> dict:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from cluster_helpers import ClusterHarness, cluster_config, wait_until
+from cluster_helpers import SLOW_PREFILL_OVERRIDES, ClusterHarness, cluster_config, running_cluster, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,19 +26,10 @@ PROMPT_LEN = 512
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    h = ClusterHarness(cluster_config(tiny_model, **{
-        "router.disaggregation.max_predicted_ttft_s": LIMIT_S,
-        "router.disaggregation.mode": "always",
-        "prefill.engine.max_num_seqs": 1,
-        "prefill.engine.max_num_batched_tokens": 8,
-        "decode.engine.kv_cache_memory_gb": 0.1,
-    }), redis_server.url)
-    h.start()
-    try:
+    config = cluster_config(tiny_model, **SLOW_PREFILL_OVERRIDES,
+                            **{"router.disaggregation.max_predicted_ttft_s": LIMIT_S})
+    with running_cluster(config, redis_server.url) as h:
         yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
 
 
 def _post(cluster: ClusterHarness, prompt: list[int]) -> tuple[requests.Response, float]:
