@@ -41,7 +41,7 @@ from pdserve.engine.errors import (
 from pdserve.kv_transfer import TransferParams
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
 from pdserve.router.policy import RoutingDecision, RoutingPolicy
-from pdserve.router.worker_pool import LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
+from pdserve.router.worker_pool import DEADLINE, LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +272,12 @@ class DisaggBackend:
         finished = False
         d_view = self.pool.members[d].view
         d_view.inflight_requests += 1
+        # One timer per attempt, not one per token: when the deadline passes it queues DEADLINE.
+        deadline_timer = None
+        if req.deadline is not None:
+            loop = asyncio.get_running_loop()
+            deadline_timer = loop.call_at(loop.time() + max(0.0, req.deadline - time.monotonic()),
+                                          queue.put_nowait, DEADLINE)
         try:
             acc["decode_worker"], acc["prefill_worker"] = d, p or d
             if p is None:
@@ -298,11 +304,9 @@ class DisaggBackend:
                     # blocks of a request that is still decoding.
                     renew_at = time.monotonic() + self.lease_s / 3
                     self._renew_later(attempt)
-                timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
-                try:
-                    out = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    raise DeadlineExceededError("the request did not finish within its deadline") from None
+                out = await queue.get()
+                if out is DEADLINE:
+                    raise DeadlineExceededError("the request did not finish within its deadline")
                 if out is LOST:
                     raise WorkerLost(d, "decode worker lost mid-stream")
                 if out.new_token_ids:
@@ -320,6 +324,8 @@ class DisaggBackend:
                     yield Finished(out.finish_reason or "stop", {})
                     return
         finally:
+            if deadline_timer is not None:
+                deadline_timer.cancel()
             d_view.inflight_requests -= 1
             self.pool.close_stream(attempt)
             self._active.pop(attempt, None)
@@ -408,7 +414,8 @@ class DisaggBackend:
     async def _prefill_unless_decode_lost(self, d: str, queue: asyncio.Queue, prefill):
         """The prefill result, or ``WorkerLost(d)`` as soon as the decode worker dies meanwhile
         (its reserved blocks are gone, so waiting for the prefill is pointless; the caller's
-        cleanup aborts it on the prefill worker). Before ``start`` only ``LOST`` can be queued."""
+        cleanup aborts it on the prefill worker). Before ``start`` only ``LOST`` or ``DEADLINE`` can be
+        queued; DEADLINE is put back for the decode loop, which ends the request with it."""
         prefill_task = asyncio.ensure_future(prefill)
         early: list = []
         try:

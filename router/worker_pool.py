@@ -25,6 +25,7 @@ class WorkerLost(Exception):
 
 
 LOST = object()  # queued into an attempt's stream when its decode worker dies
+DEADLINE = object()  # queued into an attempt's stream when the request's deadline passes
 
 
 def is_actor_death(exc: BaseException) -> bool:
@@ -51,7 +52,7 @@ class PoolMember:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.05, *,
+    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.5, *,
                  stats_timeout_s: float = 5.0, dead_after_s: float = 30.0) -> None:
         """A worker whose stats poll takes longer than ``stats_timeout_s`` gets no new work; one
         silent for ``dead_after_s`` is killed (a hung process must not keep its blocks, its
