@@ -15,6 +15,8 @@ file or from the environment (``PDSERVE_API_KEYS``, ``PDSERVE_REDIS_PASSWORD``);
 
 from __future__ import annotations
 
+import dataclasses
+
 import ipaddress
 import os
 from pathlib import Path
@@ -226,6 +228,12 @@ class DisaggregationSettings(_Settings):
                                           "uncached part is at most this many tokens are prefilled on "
                                           "the decode worker (all prompts are when the cluster has no "
                                           "prefill pool: prefill.min_replicas 0).")
+    local_prefill_when_idle: bool = Field(True, description="In 'conditional' mode, a decode worker "
+                                          "with no stream decoding also prefills a longer prompt itself "
+                                          "when the prefill workers have prompts queued and its own queue "
+                                          "reaches the first token sooner (measured prefill rates): a burst "
+                                          "on an idle cluster is prefilled on both pools' cores. Streams "
+                                          "that start meanwhile are protected by the slo.itl_ms budget.")
     prefill_wait_s: float = Field(60.0, gt=0, description="When no prefill worker can take a prompt "
                                   "longer than local_prefill_max_tokens (the pool's only replica died "
                                   "or went silent), the request waits in the router this long for one "
@@ -356,7 +364,8 @@ class SLOSettings(_Settings):
     ttft_ms: float = Field(2000.0, gt=0, description="Target time to first token, in ms (drives the "
                            "prefill pool's scaling and local-prefill fallback).")
     itl_ms: float = Field(100.0, gt=0, description="Target inter-token latency, in ms (drives the "
-                          "decode pool's scaling).")
+                          "decode pool's scaling and, in a disaggregated cluster, the decode workers' "
+                          "per-step budget of prompt tokens while streams decode).")
 
 
 class PlannerSettings(_Settings):
@@ -405,6 +414,17 @@ class ClusterConfig(_Settings):
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
         return self
+
+    def worker_engine_config(self, role: str) -> EngineConfig:
+        """The engine config of one replica of ``role``'s pool. A disaggregated cluster's decode
+        workers keep their streams' steps within ``slo.itl_ms``: a prompt prefilled there while
+        sequences decode is chunked under that budget. The colocated baseline
+        (``disaggregation.mode: never``) batches prompts like vLLM, up to max_num_batched_tokens."""
+        mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
+        engine = self.pool(role).engine_config(self.model, mode)
+        if role == "decode" and self.router.disaggregation.mode != "never":
+            engine = dataclasses.replace(engine, itl_target_ms=self.slo.itl_ms)
+        return engine
 
     def replica_cpus(self, role: object) -> float:
         """Ray CPUs of one replica of a pool: its ``num_cpus``, or by default a local Ray's host

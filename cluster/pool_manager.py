@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
 from pdserve.cluster.workers import WorkerHandle, start_worker, stop_worker
-from pdserve.engine.config import EngineMode
 from pdserve.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -66,13 +65,12 @@ class PoolManager:
     async def add_replica(self, role: str) -> str:
         """Start one worker, wait until it answers, connect its NIXL agent to the other pool."""
         settings = self.config.pool(role)
-        mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
         worker_id = self._new_id(role)
         record = self.pools[role]
         record.pending += 1
         handle: WorkerHandle | None = None
         try:
-            handle = start_worker(role, worker_id, settings.engine_config(self.config.model, mode),
+            handle = start_worker(role, worker_id, self.config.worker_engine_config(role),
                                   num_cpus=self.config.replica_cpus(role), num_gpus=settings.num_gpus,
                                   resources=settings.resources, accelerator_type=settings.accelerator_type,
                                   namespace=self.namespace,

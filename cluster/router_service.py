@@ -148,7 +148,8 @@ class RouterService:
         dis = cfg.router.disaggregation
         local_max = {"never": max_len, "always": 0}.get(dis.mode, dis.local_prefill_max_tokens)
         policy = RoutingPolicy(block_size=cfg.decode.engine.block_size, local_prefill_max_tokens=local_max,
-                               prefill_pool=dis.mode != "never" and cfg.prefill.min_replicas > 0)
+                               prefill_pool=dis.mode != "never" and cfg.prefill.min_replicas > 0,
+                               idle_local_prefill=dis.mode == "conditional" and dis.local_prefill_when_idle)
         if self.ledger is not None and self.redis_guard is not None:
             self.ledger_writer = LedgerWriter(self.ledger, self.redis_guard)
         self.backend = DisaggBackend(info, self.pool, policy=policy, ledger=self.ledger_writer,

@@ -62,6 +62,10 @@ class EngineConfig:
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
     # engine then decodes text only for requests with stop strings.
     detokenize: bool = True
+    # Decode workers' ITL target (slo.itl_ms): while sequences decode, a step takes at most the
+    # prompt tokens that fit in this target beside them (measured decode step time and prefill
+    # rate); None: no cap beyond max_num_batched_tokens. Needs chunked prefill.
+    itl_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -71,6 +75,8 @@ class EngineConfig:
                              f"got {self.linear_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -69,6 +69,47 @@ class EngineStats:
     # seconds of step time spent on prompt tokens (a step's time split by its tokens): with
     # prompt_tokens_computed, the engine's measured prefill rate when busy
     prefill_compute_s: float = 0.0
+    # The ITL budget (EngineConfig.itl_target_ms): prompt tokens a step may take while sequences
+    # decode (None: no target), and the most any step took beside decodes (what the cap held to).
+    prefill_budget_tokens: int | None = None
+    max_prefill_tokens_with_decodes: int = 0
+
+
+class ItlBudget:
+    """How many prompt tokens a step may add beside its decodes and still end within the ITL
+    target: (target - the decode-only step time) x the prefill rate, both measured here as
+    moving averages of this engine's own steps. Clamped to [block_size, max_num_batched_tokens]
+    so a prompt always progresses; until a prefill has been timed, ``FALLBACK_BLOCKS`` blocks."""
+
+    FALLBACK_BLOCKS = 4
+    WEIGHT = 0.3   # of the newest sample
+
+    def __init__(self, target_ms: float, block_size: int, max_tokens: int) -> None:
+        self.target_s = target_ms / 1000.0
+        self.floor = min(block_size, max_tokens)
+        self.ceiling = max_tokens
+        self.fallback = min(max_tokens, self.FALLBACK_BLOCKS * block_size)
+        self.decode_step_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+
+    def tokens(self) -> int:
+        if self.prefill_tokens_per_s is None:
+            return self.fallback
+        spare = self.target_s - (self.decode_step_s or 0.0)
+        return max(self.floor, min(self.ceiling, int(spare * self.prefill_tokens_per_s)))
+
+    def observe(self, decode_tokens: int, prefill_tokens: int, elapsed_s: float) -> None:
+        """One step: ``decode_tokens`` sequences decoded, ``prefill_tokens`` prompt tokens."""
+        if prefill_tokens == 0:
+            if decode_tokens:
+                self.decode_step_s = self._avg(self.decode_step_s, elapsed_s)
+            return
+        prefill_s = elapsed_s - ((self.decode_step_s or 0.0) if decode_tokens else 0.0)
+        if prefill_s > 0:
+            self.prefill_tokens_per_s = self._avg(self.prefill_tokens_per_s, prefill_tokens / prefill_s)
+
+    def _avg(self, old: float | None, sample: float) -> float:
+        return sample if old is None else self.WEIGHT * sample + (1 - self.WEIGHT) * old
 
 
 class LLMEngine:
@@ -114,6 +155,9 @@ class LLMEngine:
         self._generated = 0
         self._prompt_computed = 0
         self._prefill_compute_s = 0.0
+        self.itl_budget = ItlBudget(config.itl_target_ms, config.block_size, config.max_num_batched_tokens) \
+            if config.itl_target_ms is not None and config.enable_chunked_prefill else None
+        self._max_prefill_with_decodes = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -254,7 +298,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one iteration: schedule, forward, sample, check stops."""
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        budget = self.itl_budget.tokens() if self.itl_budget is not None else None
+        sched = self.scheduler.schedule(prefill_budget=budget)
         if sched.is_empty:
             return outputs
         t0 = time.monotonic()
@@ -267,6 +312,10 @@ class LLMEngine:
         result = self.sampler.sample(logits, sampling) if sampling else SampleResult([], [])
         now = time.monotonic()
         self._account_prefill(sched, now - t0)
+        if self.itl_budget is not None:
+            self.itl_budget.observe(sched.num_decode_tokens, sched.num_prefill_tokens, now - t0)
+        if sched.num_decode_tokens and sched.num_prefill_tokens > self._max_prefill_with_decodes:
+            self._max_prefill_with_decodes = sched.num_prefill_tokens
         # A row that could not be sampled fails its own request (blocks freed); the rest go on.
         for i, exc in result.failed.items():
             outputs.append(self._fail_request(sampling[i], exc, now))
@@ -354,6 +403,8 @@ class LLMEngine:
             prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions_total,
             prefill_compute_s=self._prefill_compute_s,
+            prefill_budget_tokens=self.itl_budget.tokens() if self.itl_budget is not None else None,
+            max_prefill_tokens_with_decodes=self._max_prefill_with_decodes,
         )
 
     def generate(

@@ -59,6 +59,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decode_tokens: int = 0      # one per decoding sequence
+    num_prefill_tokens: int = 0     # prompt tokens (prefill chunks) in this step
 
     @property
     def is_empty(self) -> bool:
@@ -131,7 +133,10 @@ class Scheduler:
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already scheduled")
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """One step's batch. ``prefill_budget``: when this step decodes any sequence, at most
+        that many prompt tokens (chunks of running prefills and admissions) join it, so that the
+        decoding streams' step stays short (a decode worker's ITL budget); None: no extra cap."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -148,6 +153,11 @@ class Scheduler:
                 continue  # seq itself was preempted
             self.block_manager.append_slot(seq)
             budget -= self._emit(out, seq, 1, scheduled)
+        out.num_decode_tokens = self.config.max_num_batched_tokens - budget
+        if prefill_budget is not None and out.num_decode_tokens:
+            budget = min(budget, max(0, prefill_budget))
+        # Prefill tokens are counted from here: budget_left - budget at the end.
+        prefill_from = budget
 
         # 2) running sequences still prefilling.
         for seq in order:
@@ -164,7 +174,8 @@ class Scheduler:
         static = self.config.policy is SchedulingPolicy.STATIC
         if not out.preempted and not (static and was_running):
             budget = self._admit(out, budget, scheduled, ignore_budget=static)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_prefill_tokens = max(0, prefill_from - budget)
+        out.num_batched_tokens = out.num_decode_tokens + out.num_prefill_tokens
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[str], ignore_budget: bool) -> int:

@@ -50,6 +50,8 @@ class KVWorker:
                 "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
                 "generated_tokens": s.generated_tokens, "prompt_tokens_computed": s.prompt_tokens_computed,
                 "prefill_compute_s": s.prefill_compute_s,
+                "prefill_budget_tokens": s.prefill_budget_tokens,
+                "max_prefill_tokens_with_decodes": s.max_prefill_tokens_with_decodes,
                 "kv_open_transfers": self.agent.open_handles, "kv_mailboxes": self.agent.subscriptions,
                 "started_at": self.started_at, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
                 "pid": os.getpid(), "transfer_timeout_s": getattr(self, "transfer_timeout_s", None)}

@@ -272,6 +272,8 @@ class DisaggBackend:
         finished = False
         d_view = self.pool.members[d].view
         d_view.inflight_requests += 1
+        local_tokens = 0      # counted in d_view.local_prefill_tokens until the first token
+        decoding = False      # counted in d_view.decoding_requests
         # One timer per attempt, not one per token: when the deadline passes it queues DEADLINE.
         deadline_timer = None
         if req.deadline is not None:
@@ -281,6 +283,8 @@ class DisaggBackend:
         try:
             acc["decode_worker"], acc["prefill_worker"] = d, p or d
             if p is None:
+                local_tokens = len(prompt)
+                d_view.local_prefill_tokens += local_tokens
                 await self._ledger("reserve", attempt, d, [])
                 await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority))
                 await self._ledger(LedgerState.DECODING, attempt)
@@ -295,6 +299,8 @@ class DisaggBackend:
                         yield first
                     yield Finished(str(acc.pop("ended_at_prefill")), {})
                     return
+                decoding = True
+                d_view.decoding_requests += 1
                 if first is not None:
                     yield first
             renew_at = time.monotonic() + self.lease_s / 3
@@ -310,6 +316,11 @@ class DisaggBackend:
                 if out is LOST:
                     raise WorkerLost(d, "decode worker lost mid-stream")
                 if out.new_token_ids:
+                    if local_tokens:
+                        d_view.local_prefill_tokens -= local_tokens
+                        local_tokens = 0
+                        decoding = True
+                        d_view.decoding_requests += 1
                     yield TokenDelta(list(out.new_token_ids), out.new_logprobs)
                 if out.finished:
                     finished = True
@@ -326,6 +337,8 @@ class DisaggBackend:
         finally:
             if deadline_timer is not None:
                 deadline_timer.cancel()
+            d_view.local_prefill_tokens -= local_tokens
+            d_view.decoding_requests -= decoding
             d_view.inflight_requests -= 1
             self.pool.close_stream(attempt)
             self._active.pop(attempt, None)

@@ -29,6 +29,10 @@ class WorkerView:
     # Prompt tokens the router has sent there and not yet seen finish (its own view of the queue).
     inflight_tokens: int = 0
     inflight_requests: int = 0
+    # Decode workers, as the router counts them: attempts there past their first token (streams
+    # decoding), and prompt tokens it has sent there to prefill locally, not yet at a first token.
+    decoding_requests: int = 0
+    local_prefill_tokens: int = 0
     cached_hashes: set[int] = field(default_factory=set)
     # prompt tokens per second while prefilling, measured from the worker's stats (None: not yet)
     prefill_tokens_per_s: float | None = None
@@ -66,6 +70,19 @@ def apply_kv_events(view: WorkerView, events: Iterable[tuple[str, int]]) -> None
             view.cached_hashes.discard(block_hash)
 
 
+def sooner_locally(d: WorkerView, p: WorkerView, local_tokens: int, remote_tokens: int) -> bool:
+    """Whether idle decode worker ``d`` reaches this prompt's first token before busy prefill
+    worker ``p``: the prompt tokens queued on each plus this prompt's (all of it locally, its
+    uncached part on ``p``), over each one's measured prefill rate (equal rates while either is
+    unmeasured). Never while ``d`` has a stream decoding or ``p`` has nothing queued."""
+    if d.decoding_requests > 0 or p.inflight_tokens <= 0:
+        return False
+    rate_d, rate_p = d.prefill_tokens_per_s, p.prefill_tokens_per_s
+    if not rate_d or not rate_p:
+        rate_d = rate_p = 1.0
+    return (d.local_prefill_tokens + local_tokens) / rate_d < (p.inflight_tokens + remote_tokens) / rate_p
+
+
 def cached_prefix_blocks(view: WorkerView, hashes: list[int]) -> int:
     n = 0
     for h in hashes:
@@ -86,6 +103,11 @@ class RoutingPolicy:
     # longer than the local budget waits for a prefill worker rather than stall a decode
     # worker's streams with its prefill. Without one, decode workers prefill everything.
     prefill_pool: bool = False
+    # A decode worker with no stream decoding prefills a longer prompt itself when the prefill
+    # workers are busy and its own queue reaches the first token sooner (a burst on an idle
+    # cluster: both pools' cores prefill). No stream can stall behind it; streams that start
+    # meanwhile are protected by the decode worker's ITL budget (EngineConfig.itl_target_ms).
+    idle_local_prefill: bool = False
 
     def choose(self, prompt_hashes: list[int], num_prompt_tokens: int,
                prefill: list[WorkerView], decode: list[WorkerView],
@@ -125,6 +147,10 @@ class RoutingPolicy:
         uncached = num_prompt_tokens - best_cached
         if uncached <= self.local_prefill_max_tokens:
             return RoutingDecision(d.worker_id, None, 0, f"short uncached part ({uncached} tokens): local prefill")
+        if self.idle_local_prefill and sooner_locally(d, best, num_prompt_tokens, uncached):
+            return RoutingDecision(d.worker_id, None, 0,
+                                   f"{d.worker_id} has no stream decoding and {best.worker_id} has "
+                                   f"{best.inflight_tokens} prompt tokens queued: local prefill is sooner")
         return RoutingDecision(d.worker_id, best.worker_id, best_cached,
                                f"prefill on {best.worker_id} ({best_cached} cached tokens)")
 

@@ -93,7 +93,7 @@ def check_block_accounting(bm: BlockManager, holders: list[Sequence], reserved: 
 
 
 def fake_step(
-    scheduler: Scheduler, held: list[Sequence] | None = None
+    scheduler: Scheduler, held: list[Sequence] | None = None, prefill_budget: int | None = None
 ) -> tuple[SchedulerOutput, list[Sequence]]:
     """One engine step without a model: schedule, check the batch, 'sample', postprocess, finish.
 
@@ -101,9 +101,13 @@ def fake_step(
     PREFILLED after its first token (blocks kept and appended to ``held``). Returns the output and
     the sequences finished this step.
     """
-    out = scheduler.schedule()
+    decoding_before = {s.request_id for s in scheduler.running() if not s.in_prefill}
+    out = scheduler.schedule(prefill_budget=prefill_budget)
     cfg = scheduler.config
     assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
+    decodes = [c for c in out.chunks if c.seq.request_id in decoding_before]
+    assert out.num_decode_tokens == len(decodes) == sum(c.num_tokens for c in decodes)
+    assert out.num_prefill_tokens == out.num_batched_tokens - out.num_decode_tokens
     assert out.num_batched_tokens <= cfg.max_num_batched_tokens
     assert scheduler.num_running <= cfg.max_num_seqs
     assert len({c.seq.request_id for c in out.chunks}) == len(out.chunks), "a sequence scheduled twice"

@@ -106,7 +106,10 @@ def main() -> int:
 
     model_dir = sys.argv[1]
     config = cluster_config(model_dir, **{"prefill.resources": {"prefill": 1}, "decode.resources": {"decode": 1},
-                                          "prefill.num_cpus": 1, "decode.num_cpus": 1})
+                                          "prefill.num_cpus": 1, "decode.num_cpus": 1,
+                                          # every prompt crosses the nodes (an idle decode worker
+                                          # would otherwise prefill part of the burst itself)
+                                          "router.disaggregation.local_prefill_when_idle": False})
     engine = reference_engine(config)
     tok = engine.stopper.tokenizer
     ids = [list(tok(p)["input_ids"]) for p in PROMPTS]

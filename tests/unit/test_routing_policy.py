@@ -88,3 +88,49 @@ def test_a_retry_prefers_the_prefill_worker_that_holds_its_kv() -> None:
     # not while it is excluded, silent or gone
     prefill[1].unresponsive_since = 1.0
     assert policy.choose(hashes, len(ids), prefill, decode, prefer_prefill="p1").prefill_worker == "p0"
+
+
+def _burst(policy: RoutingPolicy, n: int, prompt_len: int) -> list[str | None]:
+    """Route ``n`` prompts arriving together, counting each one where the router would (the
+    queued tokens of the backend's bookkeeping), and return each one's prefill worker."""
+    prefill = [WorkerView("p0", "prefill")]
+    decode = [WorkerView("d0", "decode", num_blocks=100, num_free_blocks=100)]
+    out = []
+    for i in range(n):
+        ids, hashes = _prompt(prompt_len)
+        d = policy.choose(hashes, len(ids), prefill, decode)
+        if d.prefill_worker is None:
+            decode[0].local_prefill_tokens += len(ids)
+        else:
+            prefill[0].inflight_tokens += len(ids)
+        out.append(d.prefill_worker)
+    return out
+
+
+def test_an_idle_decode_worker_takes_half_of_a_burst_the_prefill_worker_is_busy_with() -> None:
+    routed = _burst(RoutingPolicy(block_size=BS, idle_local_prefill=True), 8, 128)
+    assert routed[0] == "p0"                 # the first one: the prefill pool is idle
+    assert routed.count(None) == 4 and routed.count("p0") == 4
+    # Off (or in 'always' mode), every prompt goes through the prefill pool.
+    assert _burst(RoutingPolicy(block_size=BS), 8, 128) == ["p0"] * 8
+
+
+def test_an_idle_decode_worker_does_not_prefill_once_a_stream_decodes_there() -> None:
+    policy = RoutingPolicy(block_size=BS, idle_local_prefill=True)
+    prefill = [WorkerView("p0", "prefill", inflight_tokens=4096)]
+    decode = [WorkerView("d0", "decode", num_blocks=100, num_free_blocks=100, decoding_requests=1)]
+    ids, hashes = _prompt(1536)
+    assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker == "p0"
+    decode[0].decoding_requests = 0
+    assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker is None
+
+
+def test_measured_rates_decide_which_side_is_sooner() -> None:
+    policy = RoutingPolicy(block_size=BS, idle_local_prefill=True)
+    ids, hashes = _prompt(512)
+    # The prefill worker prefills 4x faster: 512 queued there is sooner than 512 on the decode worker.
+    prefill = [WorkerView("p0", "prefill", inflight_tokens=512, prefill_tokens_per_s=4000.0)]
+    decode = [WorkerView("d0", "decode", num_blocks=100, num_free_blocks=100, prefill_tokens_per_s=1000.0)]
+    assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker == "p0"
+    prefill[0].prefill_tokens_per_s = 1000.0
+    assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker is None

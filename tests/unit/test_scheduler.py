@@ -408,3 +408,39 @@ def test_static_without_chunking_prefills_each_member_whole_when_the_budget_allo
     assert shapes == [[(s1, 10)], [(s1, 1), (s2, 10)], [(s1, 1), (s2, 1), (s3, 10)]]
     run_until_done(sched)
     assert_nothing_leaked(sched)
+
+
+# ------------------------------------------------------------------ ITL budget (decode workers)
+def test_prefill_budget_caps_prompt_tokens_only_while_sequences_decode():
+    sched = make_scheduler(max_num_batched_tokens=64, num_blocks=128)
+    streams = [make_seq(prompt_len=8, max_tokens=40) for _ in range(3)]
+    for s in streams:
+        sched.add(s)
+    out, _ = fake_step(sched, prefill_budget=4)
+    # Nothing decodes yet: the budget does not apply, all three prompts are prefilled whole.
+    assert out.num_decode_tokens == 0 and out.num_prefill_tokens == 24
+    long = make_seq(prompt_len=50, max_tokens=2)
+    sched.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out, _ = fake_step(sched, prefill_budget=12)
+        assert out.num_decode_tokens == 3
+        assert out.num_prefill_tokens <= 12
+        chunks.append(out.num_prefill_tokens)
+    assert chunks == [12, 12, 12, 12, 2]       # the 50-token prompt, 12 tokens a step
+    assert len(long.output_token_ids) == 1     # sampled at the end of its last chunk
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
+
+
+def test_without_a_prefill_budget_a_prompt_takes_the_whole_step_budget():
+    sched = make_scheduler(max_num_batched_tokens=64, num_blocks=128)
+    stream = make_seq(prompt_len=8, max_tokens=40)
+    sched.add(stream)
+    fake_step(sched)
+    long = make_seq(prompt_len=50, max_tokens=2)
+    sched.add(long)
+    out, _ = fake_step(sched)
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 50
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
