@@ -4,6 +4,7 @@ against several servers started here one at a time, alternating, in one run.
     pdserve bench serve --url http://127.0.0.1:8000 --json out.json [load options]
     pdserve bench serve --scenario peers --json peers.json [--rounds 2] [--model-dir DIR]
     pdserve bench serve --scenario interference --json itl.json [--dtypes float32,bfloat16]
+    pdserve bench serve --scenario batching|prefix --json out.json [--rounds 2]
     pdserve bench serve --servers pdserve-colocated,vllm --json out.json [load options]
 
 The load (``bench/serve_load.py``): ``--num-prompts`` streaming completions of ``--prompt-len``
@@ -24,6 +25,10 @@ round, then the median over rounds. A server that cannot start is recorded with 
 prompts arrive at 0.5/s, on pdserve disaggregated and colocated (each ``--dtypes`` value): the
 streams' ITL p50/p99/max and stalls with and without the long prompts, the long prompts' TTFT,
 and the router's retries and migrations during the run.
+
+``--scenario batching`` and ``--scenario prefix`` (``bench/serve_scenarios.py``) run one pdserve
+configuration against another on the same load: continuous against static batching, and the
+prefix cache on against off on a shared system prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pdserve.bench.serve_scenarios import VARIANT_SCENARIOS, format_variant_table, model_for, run_variant_scenario
 from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
 logger = logging.getLogger(__name__)
@@ -294,7 +300,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="an OpenAI-compatible server already running on 127.0.0.1")
     where.add_argument("--servers", help="comma-separated servers to start in turn: pdserve, pdserve-colocated, vllm")
-    where.add_argument("--scenario", choices=sorted(SCENARIOS), help="peers: pdserve colocated, disaggregated, vLLM")
+    where.add_argument("--scenario", choices=sorted([*SCENARIOS, *VARIANT_SCENARIOS]),
+                       help="peers: pdserve colocated, disaggregated, vLLM; interference: steady streams while long "
+                       "prompts arrive; batching: continuous vs static batching; prefix: a shared system prompt, "
+                       "prefix cache on vs off")
     p.add_argument("--model", help="served model name (with --url; default: the server's first model)")
     p.add_argument("--model-dir", help="model directory the started servers serve (default: the generated small model)")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -351,8 +360,12 @@ def run(args: argparse.Namespace) -> int:
                 f"ITL p50 {rec['itl_ms']['p50']:.1f} p99 {rec['itl_ms']['p99']:.1f} ms  failed {rec['failed']}  "
                 f"client CPU {rec['client_cpu_s']:.2f} s")
     else:
-        kinds = SCENARIOS[args.scenario] if args.scenario else [k.strip() for k in args.servers.split(",") if k.strip()]
-        if args.scenario == "interference":
+        kinds = SCENARIOS.get(args.scenario, []) if args.scenario else [k.strip() for k in args.servers.split(",") if k.strip()]
+        if args.scenario in VARIANT_SCENARIOS:
+            model_dir = model_for(args)
+            result = run_variant_scenario(args, VARIANT_SCENARIOS[args.scenario], model_dir, _vocab_size(model_dir))
+            text = format_variant_table(result)
+        elif args.scenario == "interference":
             result = run_interference(args, kinds)
             text = json.dumps(result["ratios"]) if result["ratios"] else ""
         else:

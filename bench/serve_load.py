@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,21 @@ from pdserve.bench.serve_stats import CpuMeter, summarize_run
 
 logger = logging.getLogger(__name__)
 
-Length = int | tuple[int, int]
+@dataclass(frozen=True)
+class LogNormal:
+    """A length drawn from a log-normal distribution (``median``, ``sigma`` of its log), clipped
+    to ``[lo, hi]``: the long tail of chat output lengths (ShareGPT's outputs are close to it)."""
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def draw(self, rng: random.Random) -> int:
+        return max(self.lo, min(self.hi, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+
+Length = int | tuple[int, int] | LogNormal
 
 
 @dataclass
@@ -60,7 +75,7 @@ class GroupSpec:
         if self.num_requests < 1:
             raise ValueError(f"group {self.name!r}: num_requests must be >= 1")
         for what, v in (("prompt_len", self.prompt_len), ("output_len", self.output_len)):
-            lo, hi = (v, v) if isinstance(v, int) else v
+            lo, hi = (v, v) if isinstance(v, int) else (v.lo, v.hi) if isinstance(v, LogNormal) else v
             if lo < 1 or hi < lo:
                 raise ValueError(f"group {self.name!r}: {what} must be >= 1 (or a range lo <= hi), got {v}")
         if self.shared_prefix_len < 0 or self.start_delay_s < 0:
@@ -144,7 +159,11 @@ class _Item:
 
 
 def _draw(v: Length, rng: random.Random) -> int:
-    return v if isinstance(v, int) else rng.randint(v[0], v[1])
+    if isinstance(v, int):
+        return v
+    if isinstance(v, LogNormal):
+        return v.draw(rng)
+    return rng.randint(v[0], v[1])
 
 
 def build_items(group: GroupSpec, vocab_size: int) -> list[_Item]:

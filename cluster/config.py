@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo,
                       field_validator, model_validator)
 
 from pdserve.cluster.planner import PlannerPolicy
-from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.config import EngineConfig, EngineMode, SchedulingPolicy
 from pdserve.engine.errors import InvalidRequestError
 
 KIB = 1024
@@ -111,6 +111,10 @@ class EngineSettings(_Settings):
                                         "step (prefill chunks + decode tokens); with chunked prefill off "
                                         "it must be at least the model length.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    scheduling_policy: Literal["continuous", "static"] = Field(
+        "continuous", description="'continuous': iteration-level batching (a finished sequence's slot "
+        "is refilled at the next step). 'static': a batch forms only when nothing runs and runs until "
+        "every member finishes; a baseline for `pdserve bench serve --scenario batching`, not for serving.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts into chunks that share "
                                          "steps with decoding sequences.")
     num_threads: int | None = Field(None, ge=1, description="Torch intra-op threads per replica; "
@@ -215,7 +219,8 @@ class PoolSettings(_Settings):
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
-            attention_backend=e.attention_backend, linear_backend=e.linear_backend)
+            attention_backend=e.attention_backend, linear_backend=e.linear_backend,
+            policy=SchedulingPolicy(e.scheduling_policy))
 
 
 class DisaggregationSettings(_Settings):

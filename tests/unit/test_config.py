@@ -244,3 +244,29 @@ def test_internal_dataclasses_built_from_settings(tmp_path: Path) -> None:
         config.pool("mixed")
     policy = config.planner_policy()
     assert policy == PlannerPolicy(ttft_slo_ms=500.0, itl_slo_ms=100.0, max_step=3, scale_down_cooldown_s=5.0)
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text("{}")
+    return model_dir
+
+
+def test_decode_workers_get_the_itl_budget_only_in_a_disaggregated_cluster(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    cfg = apply_overrides(config_from_model(model, environ=NO_ENV), {"slo.itl_ms": 40})
+    assert cfg.worker_engine_config("decode").itl_target_ms == 40
+    assert cfg.worker_engine_config("prefill").itl_target_ms is None
+    colocated = apply_overrides(config_from_model(model, environ=NO_ENV), {"router.disaggregation.mode": "never"})
+    assert colocated.worker_engine_config("decode").itl_target_ms is None
+
+
+def test_scheduling_policy_reaches_the_engine(tmp_path: Path) -> None:
+    from pdserve.engine.config import SchedulingPolicy
+
+    cfg = apply_overrides(config_from_model(_model_dir(tmp_path), environ=NO_ENV), {"decode.engine.scheduling_policy": "static"})
+    assert cfg.worker_engine_config("decode").policy is SchedulingPolicy.STATIC
+    assert cfg.worker_engine_config("prefill").policy is SchedulingPolicy.CONTINUOUS
+    with pytest.raises(ConfigError, match="scheduling_policy"):
+        apply_overrides(config_from_model(_model_dir(tmp_path), environ=NO_ENV), {"decode.engine.scheduling_policy": "fifo"})

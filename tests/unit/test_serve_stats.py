@@ -73,3 +73,17 @@ def test_group_spec_refuses_what_cannot_run() -> None:
         GroupSpec("g", 4, rate=0.0)
     with pytest.raises(ValueError, match="prompt_len"):
         GroupSpec("g", 4, prompt_len=(9, 3), concurrency=1)
+
+
+def test_log_normal_lengths_are_reproducible_clipped_and_long_tailed() -> None:
+    from pdserve.bench.serve_load import LogNormal
+
+    spec = GroupSpec("g", 400, prompt_len=8, output_len=LogNormal(128, 1.0, 8, 1024), concurrency=4, seed=3)
+    outs = [it.output_len for it in build_items(spec, vocab_size=100)]
+    assert outs == [it.output_len for it in build_items(spec, vocab_size=100)]
+    assert min(outs) >= 8 and max(outs) <= 1024
+    median = sorted(outs)[len(outs) // 2]
+    assert 100 <= median <= 160                       # around the median asked for
+    assert sum(outs) / len(outs) > 1.3 * median       # the tail pulls the mean above it
+    with pytest.raises(ValueError, match="output_len"):
+        GroupSpec("g", 1, output_len=LogNormal(10, 1.0, 0, 5), concurrency=1)
