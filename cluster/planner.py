@@ -98,6 +98,9 @@ class PoolState:
     max_replicas: int
     max_num_seqs: int = 64
     pending: int = 0
+    # What one more replica would need against what the cluster has free (the actuator's words,
+    # e.g. "another replica needs 1 CPU; Ray has 0 of 2 CPUs free"): said when max_replicas binds.
+    headroom: str = ""
     last_scale_up_at: float | None = None
     last_scale_down_at: float | None = None
 
@@ -279,7 +282,7 @@ def decide_pool(
 
     if util > policy.scale_up_utilization:
         if capacity >= pool.max_replicas:
-            return hold(f"at max_replicas {pool.max_replicas}")
+            return hold(f"at max_replicas {pool.max_replicas}" + (f" ({pool.headroom})" if pool.headroom else ""))
         if last_up is not None and now - last_up < policy.scale_up_cooldown_s:
             return hold(f"scale-up cooldown, {policy.scale_up_cooldown_s - (now - last_up):.0f} s left")
         wanted = math.ceil(load / policy.scale_up_utilization)

@@ -249,13 +249,16 @@ class PoolManager:
 
     def pool_states(self) -> list[PoolState]:
         states = []
+        free = _ray_resources()
         for role, record in self.pools.items():
             s = self.config.pool(role)
             states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
                                     min_replicas=s.min_replicas, max_replicas=s.max_replicas or s.min_replicas,
                                     max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
                                     last_scale_up_at=record.last_scale_up_at,
-                                    last_scale_down_at=record.last_scale_down_at))
+                                    last_scale_down_at=record.last_scale_down_at,
+                                    headroom=headroom(role, self.config.replica_cpus(role), s.num_gpus,
+                                                      s.resources, *free)))
         return states
 
     async def plan_once(self) -> list[PlannerDecision]:
@@ -306,3 +309,31 @@ def _itl_ms(stats: dict) -> float | None:
     """A decode worker's recent mean inter-token latency (ms) from its stats; None when unknown."""
     value = stats.get("itl_ms")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _ray_resources() -> tuple[dict[str, float], dict[str, float]]:
+    """Ray's (available, total) resources; empty when Ray cannot say (not connected)."""
+    try:
+        import ray
+
+        return dict(ray.available_resources()), dict(ray.cluster_resources())
+    except Exception:  # the planner's reason just leaves the headroom out
+        return {}, {}
+
+
+def headroom(role: str, cpus: float, gpus: float, custom: dict[str, float],
+             available: dict[str, float], total: dict[str, float]) -> str:
+    """One more ``role`` replica's needs against Ray's free resources, in an operator's words:
+    which resource is missing (and how much is free of how much), or that there is room and
+    only max_replicas holds it back."""
+    if not total:
+        return ""
+    need = {"CPU": cpus, "GPU": gpus, **custom}
+    short = [f"{amount:g} {name}" + (f" ({available.get(name, 0.0):g} of {total.get(name, 0.0):g} free)")
+             for name, amount in need.items() if amount > 0 and available.get(name, 0.0) < amount]
+    if short:
+        return (f"another {role} replica needs {', '.join(short)}: add a node (or free those "
+                "resources) before raising max_replicas")
+    fits = min(int(available.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0) \
+        if any(amount > 0 for amount in need.values()) else 0
+    return f"Ray has room for {fits} more {role} replica{'s' if fits != 1 else ''}: raise {role}.max_replicas"

@@ -273,3 +273,21 @@ def test_above_max_replicas_is_repaired_without_waiting_for_a_quiet_spell() -> N
     pool = make_pool(Role.DECODE, 3, hi=2)
     busy = [make_worker(f"d{i}", running_seqs=6) for i in range(3)]
     assert planner.decide(NOW, [pool], busy)[0].action is ScaleAction.SCALE_DOWN
+
+
+def test_at_max_replicas_the_reason_says_which_resource_is_missing() -> None:
+    from pdserve.cluster.pool_manager import headroom
+
+    full = headroom("decode", 1.0, 0.0, {}, {"CPU": 0.0}, {"CPU": 2.0})
+    assert full == ("another decode replica needs 1 CPU (0 of 2 free): add a node (or free those resources) "
+                    "before raising max_replicas")
+    gpu = headroom("prefill", 4.0, 1.0, {"prefill": 1.0}, {"CPU": 12.0, "prefill": 1.0}, {"CPU": 16.0, "prefill": 1.0})
+    assert "1 GPU (0 of 0 free)" in gpu and "CPU" not in gpu.split(":")[0]
+    room = headroom("decode", 2.0, 0.0, {}, {"CPU": 6.0}, {"CPU": 8.0})
+    assert room == "Ray has room for 3 more decode replicas: raise decode.max_replicas"
+    assert headroom("decode", 1.0, 0.0, {}, {}, {}) == ""       # Ray not reachable: nothing said
+    pool = make_pool(Role.DECODE, 2, hi=2, headroom=full)
+    workers = [make_worker("d0", kv_usage=0.99), make_worker("d1", kv_usage=0.99)]
+    decision = decide_pool(NOW, pool, workers, POLICY)
+    assert decision.action is ScaleAction.HOLD
+    assert decision.reason.endswith(f"at max_replicas 2 ({full})")
