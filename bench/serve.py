@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -47,6 +48,7 @@ from pathlib import Path
 
 from pdserve.bench.serve_scenarios import VARIANT_SCENARIOS, format_variant_table, model_for, run_variant_scenario
 from pdserve.bench.serve_load import GroupSpec, Target, run_load
+from pdserve.bench.serve_stats import highest_rate_meeting
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,18 @@ def _group(args: argparse.Namespace, seed: int, n: int | None = None) -> GroupSp
                      shared_prefix_len=args.shared_prefix_len, seed=seed)
 
 
-def _one_run(args: argparse.Namespace, url: str, model: str, vocab: int, seed: int) -> dict:
+def _one_run(args: argparse.Namespace, url: str, model: str, vocab: int, seed: int,
+             keep: list | None = None, rate: float | None = None) -> dict:
+    """One load on ``url``; its records are appended to ``keep`` (for the plots). ``rate``: Poisson
+    arrivals at that rate instead of the command line's load shape (a sweep point)."""
     target = Target("openai", url, model, vocab_size=vocab)
-    result = asyncio.run(run_load(target, [_group(args, seed)], time_limit_s=args.time_limit_s,
+    group = _group(args, seed)
+    if rate is not None:
+        group = dataclasses.replace(group, rate=rate, concurrency=None)
+    result = asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s,
                                   stall_threshold_s=args.stall_threshold_s))
+    if keep is not None:
+        keep.extend(result.records)
     summary = result.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
     g = summary["groups"]["load"]
     return {"seed": seed, "output_tokens_per_s": g["output_tokens_per_s"], "total_tokens_per_s": g["total_tokens_per_s"],
@@ -176,6 +186,7 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
     vocab = _vocab_size(model_dir)
     dtypes = [d.strip() for d in (args.dtypes or "auto").split(",") if d.strip()]
     results: dict[str, dict] = {}
+    records: dict[str, list] = {}
     unavailable: dict[str, str] = {}
     started = time.monotonic()
     for dtype in dtypes:
@@ -200,6 +211,7 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
                 unavailable[label] = str(exc)
                 print(f"{label}: cannot run: {exc}", flush=True)
                 continue
+            records[label] = mixed.records
             s_alone = alone.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
             s_mixed = mixed.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s)
             dec_alone, dec_mixed = _group_figures(s_alone, "decoders"), _group_figures(s_mixed, "decoders")
@@ -241,7 +253,7 @@ def run_interference(args: argparse.Namespace, kinds: list[str]) -> dict:
                                              "long_in": LONG_IN, "long_out": LONG_OUT, "long_rate": LONG_RATE,
                                              "long_n": LONG_N},
             "results": results, "ratios": ratios, "unavailable": unavailable,
-            "wall_s": round(time.monotonic() - started, 1)}
+            "wall_s": round(time.monotonic() - started, 1), "_records": records}
 
 
 def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
@@ -255,6 +267,8 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
         model_dir = str(ensure_model("small"))
     vocab = _vocab_size(model_dir)
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    records: dict[str, list] = {k: [] for k in kinds}
+    sweeps: dict[str, list[dict]] = {}
     unavailable: dict[str, str] = {}
     started = time.monotonic()
     for rnd in range(args.rounds):
@@ -268,7 +282,9 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
                 try:
                     with server:
                         _warm(args, server.url, server.served_model, vocab)
-                        rec = _one_run(args, server.url, server.served_model, vocab, seed)
+                        rec = _one_run(args, server.url, server.served_model, vocab, seed, records[kind])
+                        if rnd == 0 and args.sweep_rates:
+                            sweeps[kind] = _sweep(args, server.url, server.served_model, vocab, seed, kind)
                 except ServerUnavailable as exc:
                     print(f"round {rnd} {kind}: start {attempt} failed: {exc}", flush=True)
                     if attempt == 2:
@@ -294,8 +310,36 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
             "host": cpu_model(), "model_dir": model_dir, "servers": kinds, "rounds": args.rounds,
             "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "concurrency": None if args.rate else (args.concurrency or args.num_prompts), "rate": args.rate},
-            "runs": runs, "summary": summary, "ratios": _ratios(runs, args.rounds), "unavailable": unavailable,
-            "wall_s": round(time.monotonic() - started, 1)}
+            "runs": runs, "summary": summary, "ratios": {**_ratios(runs, args.rounds), **_sweep_ratios(sweeps)},
+            "sweeps": sweeps, "unavailable": unavailable, "wall_s": round(time.monotonic() - started, 1),
+            "_records": records}
+
+
+def _sweep(args: argparse.Namespace, url: str, model: str, vocab: int, seed: int, label: str) -> list[dict]:
+    """The load at each ``--sweep-rates`` rate (Poisson arrivals): goodput and the share within SLO."""
+    points = []
+    for i, rate in enumerate(args.sweep_rates):
+        rec = _one_run(args, url, model, vocab, seed + 100 + i, rate=rate)
+        points.append({"rate": rate, "goodput_req_per_s": rec["goodput_req_per_s"], "slo_met_frac": rec["slo_met_frac"],
+                       "ttft_p50_ms": rec["ttft_ms"]["p50"], "itl_p99_ms": rec["itl_ms"]["p99"],
+                       "output_tokens_per_s": rec["output_tokens_per_s"], "failed": rec["failed"]})
+        print(f"  sweep {label:18s} {rate:6.2f} req/s: goodput {rec['goodput_req_per_s'] or 0:.2f} req/s, "
+              f"{100 * (rec['slo_met_frac'] or 0):.0f}% within SLO, TTFT p50 {rec['ttft_ms']['p50']:.0f} ms", flush=True)
+    return points
+
+
+def _sweep_ratios(sweeps: dict[str, list[dict]]) -> dict:
+    """Per server the highest swept rate with >= 90% of requests within both SLOs (DistServe's
+    goodput), and pdserve's over vLLM's."""
+    if not sweeps:
+        return {}
+    best = {k: highest_rate_meeting([(p["rate"], p["slo_met_frac"]) for p in pts]) for k, pts in sweeps.items()}
+    out: dict = {"max_rate_90pct_slo": best}
+    vllm = best.get("vllm")
+    for kind, name in (("pdserve-colocated", "colocated"), ("pdserve", "disaggregated")):
+        if kind in best and "vllm" in best:
+            out[f"{name}_vs_vllm_goodput_rate"] = (best[kind] / vllm) if best[kind] is not None and vllm else None
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -341,6 +385,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-slo-s", type=float, default=0.2)
     p.add_argument("--stall-threshold-s", type=float, default=1.0)
     p.add_argument("--time-limit-s", type=float, default=600.0, help="each load stops by itself after this")
+    p.add_argument("--sweep-rates", type=_rates, help="with --url/--servers/--scenario peers: also run the load as "
+                   "Poisson arrivals at each of these comma-separated rates (req/s) and report goodput at each and the "
+                   "highest rate with >= 90%% of requests within both SLOs")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots written beside --json")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of rates: {text!r}") from None
+    if not rates or any(r <= 0 for r in rates) or len(rates) > 12:
+        raise argparse.ArgumentTypeError("give 1-12 rates, each > 0 (requests/s)")
+    return sorted(rates)
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -351,6 +409,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "give --concurrency or --rate, not both"
     if args.url and not args.url.startswith(("http://127.", "http://localhost")):
         return "--url must be a loopback address (http://127.0.0.1:PORT)"
+    if args.sweep_rates and args.scenario not in (None, "peers"):
+        return f"--sweep-rates goes with --url, --servers or --scenario peers, not --scenario {args.scenario}"
     return None
 
 
@@ -371,10 +431,15 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.bench.hw import cpu_model
         from pdserve.bench.servers import served_model_name
 
-        model = args.model or served_model_name(args.url.rstrip("/"))
-        rec = _one_run(args, args.url.rstrip("/"), model, _vocab_size(args.model_dir), args.seed)
+        url = args.url.rstrip("/")
+        model = args.model or served_model_name(url)
+        kept: list = []
+        rec = _one_run(args, url, model, _vocab_size(args.model_dir), args.seed, kept)
+        sweeps = {"server": _sweep(args, url, model, _vocab_size(args.model_dir), args.seed, "server")} \
+            if args.sweep_rates else {}
         result = {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "host": cpu_model(), "url": args.url, "run": rec}
+                  "host": cpu_model(), "url": args.url, "run": rec, "sweeps": sweeps, "ratios": _sweep_ratios(sweeps),
+                  "_records": {"server": kept}}
         text = (f"{rec['output_tokens_per_s']:.1f} out tok/s  TTFT p50 {rec['ttft_ms']['p50']:.0f} ms  "
                 f"ITL p50 {rec['itl_ms']['p50']:.1f} p99 {rec['itl_ms']['p99']:.1f} ms  failed {rec['failed']}  "
                 f"client CPU {rec['client_cpu_s']:.2f} s")
@@ -391,6 +456,31 @@ def run(args: argparse.Namespace) -> int:
             result = run_servers(args, kinds)
             text = format_table(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    records = result.pop("_records", {})
+    if not args.no_plots:
+        result["plots"] = [str(p) for p in _plots(args, result, records)]
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    for path in result.get("plots", []):
+        print(f"plot: {path}")
     return 0
+
+
+def _plots(args: argparse.Namespace, result: dict, records: dict[str, list]) -> list[Path]:
+    """PNG files beside the JSON: latency CDFs of every server, the decoders' ITL timeline
+    (interference), goodput against rate (a sweep)."""
+    from pdserve.bench import serve_plots
+
+    stem = args.json.with_suffix("")
+    title = f"pdserve bench serve {args.scenario or args.servers or args.url}  {result.get('when', '')}  {result.get('host', '')}"
+    out = []
+    series = {k: v for k, v in records.items() if v}
+    if series:
+        out.append(serve_plots.latency_cdfs(Path(f"{stem}-latency.png"), series, title))
+    if args.scenario == "interference" and series:
+        out.append(serve_plots.itl_timeline(Path(f"{stem}-itl-timeline.png"), series, "decoders",
+                                            args.stall_threshold_s, title + "  (decoders, long prompts arriving)"))
+    if result.get("sweeps"):
+        out.append(serve_plots.goodput_vs_rate(Path(f"{stem}-goodput.png"), result["sweeps"],
+                                               title + f"  (SLO: TTFT {args.ttft_slo_s:g} s, TPOT {args.itl_slo_s:g} s)"))
+    return out

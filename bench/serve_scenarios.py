@@ -88,6 +88,7 @@ def run_variant_scenario(args: argparse.Namespace, scenario: VariantScenario, mo
     from pdserve.bench.servers import Server, ServerUnavailable
 
     runs: dict[str, list[dict]] = {v.label: [] for v in scenario.variants}
+    records: dict[str, list] = {v.label: [] for v in scenario.variants}
     unavailable: dict[str, str] = {}
     started = time.monotonic()
     for rnd in range(args.rounds):
@@ -108,6 +109,7 @@ def run_variant_scenario(args: argparse.Namespace, scenario: VariantScenario, mo
                 unavailable[v.label] = str(exc)
                 print(f"{v.label}: cannot run: {exc}", flush=True)
                 continue
+            records[v.label].extend(result.records)
             fig = _figures(result.summary(ttft_slo_s=args.ttft_slo_s, itl_slo_s=args.itl_slo_s))
             fig["round"] = rnd
             runs[v.label].append(fig)
@@ -126,7 +128,7 @@ def run_variant_scenario(args: argparse.Namespace, scenario: VariantScenario, mo
             "variants": {v.label: {"server": v.kind, "sets": v.sets} for v in scenario.variants},
             "runs": runs, "ratios": {scenario.ratio_name: ratio,
                                      "per_round": [round(x, 3) for x in per_round]},
-            "unavailable": unavailable, "wall_s": round(time.monotonic() - started, 1)}
+            "unavailable": unavailable, "wall_s": round(time.monotonic() - started, 1), "_records": records}
 
 
 def format_variant_table(result: dict) -> str:

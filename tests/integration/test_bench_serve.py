@@ -52,3 +52,41 @@ def test_grpc_target_and_a_shared_prefix_hits_the_cache(cluster: ClusterHarness)
     assert all(len(r.token_times) == 6 == r.usage_completion_tokens for r in result.records)
     # one at a time: every request after the first finds the 64-token prefix cached (whole blocks)
     assert all((r.cached_prompt_tokens or 0) >= 48 for r in result.records[1:])
+
+
+def test_the_command_sweeps_rates_and_writes_json_and_plots(cluster: ClusterHarness, tiny_model, tmp_path) -> None:
+    import argparse
+    import json
+
+    from pdserve.bench import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    out = tmp_path / "run.json"
+    args = p.parse_args(["--url", cluster.http_url, "--json", str(out), "--model-dir", str(tiny_model),
+                         "--num-prompts", "6", "--prompt-len", "16", "--output-len", "6",
+                         "--sweep-rates", "20,5", "--ttft-slo-s", "60", "--itl-slo-s", "60"])
+    assert serve.run(args) == 0
+    result = json.loads(out.read_text())
+    assert "_records" not in result
+    points = result["sweeps"]["server"]
+    assert [pt["rate"] for pt in points] == [5.0, 20.0]
+    assert all(pt["failed"] == 0 and pt["slo_met_frac"] == 1.0 for pt in points)
+    assert result["ratios"]["max_rate_90pct_slo"] == {"server": 20.0}
+    plots = [tmp_path / "run-latency.png", tmp_path / "run-goodput.png"]
+    assert result["plots"] == [str(x) for x in plots]
+    for png in plots:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_command_refuses_a_sweep_with_a_scenario_it_does_not_apply_to(tmp_path) -> None:
+    import argparse
+
+    from pdserve.bench import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    args = p.parse_args(["--scenario", "interference", "--json", str(tmp_path / "x.json"), "--sweep-rates", "1"])
+    assert serve.run(args) == 2
+    with pytest.raises(SystemExit):
+        p.parse_args(["--url", "http://127.0.0.1:1", "--json", "x.json", "--sweep-rates", "0,-1"])
