@@ -349,10 +349,18 @@ def format_table(result: dict) -> str:
         lines.append(f"  {kind:18s} {s['output_tokens_per_s']:7.1f} out tok/s  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  "
                      f"ITL p50 {s['itl_p50_ms']:6.1f} p99 {s['itl_p99_ms']:6.1f} ms  (median of rounds)")
     for key, r in result.get("ratios", {}).items():
+        if not isinstance(r, dict) or "rounds_compared" not in r:
+            continue  # the sweep's figures, below
         if r["rounds_compared"]:
             lines.append(f"  {key} vs vLLM: output throughput {r['vs_vllm_output_throughput']:.2f}x "
                          f"{r['per_round_output_throughput']}, TTFT p50 {r['vs_vllm_ttft_p50']:.2f}x "
                          f"{r['per_round_ttft_p50']}, ITL p99 {r['vs_vllm_itl_p99']:.2f}x")
+    best = result.get("ratios", {}).get("max_rate_90pct_slo")
+    if best:
+        lines.append(f"  highest swept rate with >= 90% within SLO: {best}")
+        for key, value in result["ratios"].items():
+            if key.endswith("_vs_vllm_goodput_rate"):
+                lines.append(f"  {key}: {value if value is None else round(value, 2)}")
     for kind, why in result.get("unavailable", {}).items():
         lines.append(f"  {kind}: not run: {why}")
     return "\n".join(lines)
@@ -454,9 +462,12 @@ def run(args: argparse.Namespace) -> int:
             text = json.dumps(result["ratios"]) if result["ratios"] else ""
         else:
             result = run_servers(args, kinds)
-            text = format_table(result)
+            text = format_table
     args.json.parent.mkdir(parents=True, exist_ok=True)
     records = result.pop("_records", {})
+    args.json.write_text(json.dumps(result, indent=2) + "\n")   # first: a failing plot or table loses nothing
+    if callable(text):
+        text = text(result)
     if not args.no_plots:
         result["plots"] = [str(p) for p in _plots(args, result, records)]
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,6 +19,16 @@ a token differs, a kill did not happen, or anything was left held. Every wait is
 whole run takes about two minutes on two cores.
 
     .venv/bin/python scripts/kill_soak.py --requests 200 --seed 1
+
+``--chaos`` (issue 11's chaos scenario, also ``pdserve bench serve --scenario chaos``): 1,000
+streams by default; ``--kills`` workers SIGKILLed at random moments (seeded: a random role and
+completion count each, at least one of each role), the embedded Redis SIGKILLed once and started
+again on its port ``--redis-outage-s`` later; both pools keep two replicas (a killed worker is
+replaced). The report adds ``lost`` (requests with neither their tokens nor an explicit error:
+must be 0), ``duplicated_tokens`` / ``missing_tokens`` / ``wrong_tokens`` (each completed stream
+aligned with its fault-free tokens), and ``leaked_blocks`` (summed over the live workers). It
+passes with ``completed`` >= 90% of the requests, no lost request, no duplicated, missing or wrong
+token and nothing left held; a failed request (an explicit error) is counted, not a failure.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ class Outcome:
     error: str | None = None
     attempts: int = 0
     migrations: int = 0
+    lost: bool = False
 
 
 @dataclass(slots=True)
@@ -115,14 +126,27 @@ def stream(h: ClusterHarness, job: Job) -> Outcome:
             out.attempts = int(phase.get("attempts", out.attempts))
             out.migrations = int(phase.get("migrations", out.migrations))
         if len(out.tokens) != job.max_tokens:
-            return Outcome(error=f"short stream: {len(out.tokens)} of {job.max_tokens} tokens")
+            # The stream ended without an error event and without all its tokens: lost, not failed.
+            out.lost = True
+            out.error = f"short stream: {len(out.tokens)} of {job.max_tokens} tokens, no error"
         return out
     except Exception as exc:  # a failed request is a result to report, not a crash of the soak
         return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
-def kill_one(h: ClusterHarness, kill: Kill, t0: float) -> None:
-    """SIGKILL a worker of ``kill.role``: one holding a request if one shows up within 5 s."""
+def kill_one(h: ClusterHarness, kill: Kill, t0: float, redis: EmbeddedRedis | None = None,
+             redis_outage_s: float = 2.0) -> None:
+    """SIGKILL a worker of ``kill.role`` (one holding a request if one shows up within 5 s), or,
+    for role ``redis``, the Redis server, started again on its port ``redis_outage_s`` later."""
+    if kill.role == "redis":
+        assert redis is not None
+        redis.kill()
+        kill.worker_id = f"redis pid {redis.pid or '?'}"
+        kill.seconds_into_run = round(time.monotonic() - t0, 2)
+        logger.info("killed Redis at %d completed; starting it again in %.1f s", kill.at_completed, redis_outage_s)
+        time.sleep(redis_outage_s)
+        redis.start_again()
+        return
     victim = None
     try:
         victim = h.wait_busy(kill.role, timeout_s=5.0, poll_s=0.001)
@@ -139,7 +163,8 @@ def kill_one(h: ClusterHarness, kill: Kill, t0: float) -> None:
                 kill.held_a_request)
 
 
-def run(h: ClusterHarness, jobs: list[Job], concurrency: int, kills: list[Kill]) -> RunResult:
+def run(h: ClusterHarness, jobs: list[Job], concurrency: int, kills: list[Kill],
+        redis: EmbeddedRedis | None = None, redis_outage_s: float = 2.0) -> RunResult:
     """All ``jobs``, ``concurrency`` at a time; each kill fires once its count of completions is reached."""
     result = RunResult(kills=kills)
     done = threading.Condition()
@@ -157,7 +182,14 @@ def run(h: ClusterHarness, jobs: list[Job], concurrency: int, kills: list[Kill])
             with done:
                 done.wait_for(lambda: len(result.outcomes) >= kill.at_completed, timeout=STREAM_TIMEOUT_S * 3)
             if len(result.outcomes) < len(jobs):
-                kill_one(h, kill, t0)
+                if kill.role != "redis":
+                    # a worker killed a moment ago may still be being replaced: wait (bounded) for
+                    # its pool to be whole again, so that a kill never takes the last replica
+                    try:
+                        wait_until(lambda r=kill.role: len(h.members(r)) >= 2, 90.0, f"two {kill.role} workers")
+                    except TimeoutError:
+                        logger.warning("%s pool not whole again before the next kill", kill.role)
+                kill_one(h, kill, t0, redis, redis_outage_s)
 
     thread = threading.Thread(target=killer, name="killer", daemon=True)
     thread.start()
@@ -166,6 +198,34 @@ def run(h: ClusterHarness, jobs: list[Job], concurrency: int, kills: list[Kill])
     thread.join(30)
     result.wall_s = round(time.monotonic() - t0, 2)
     return result
+
+
+def chaos_kills(args: argparse.Namespace, n: int) -> list[Kill]:
+    """``args.kills`` worker kills at random completion counts between 10% and 80% of the run (at
+    least one prefill and one decode), plus the Redis restart at a random count among them."""
+    rng = random.Random(f"chaos-{args.seed}")
+    roles = ["prefill", "decode"] + [rng.choice(("prefill", "decode")) for _ in range(max(0, args.kills - 2))]
+    rng.shuffle(roles)
+    counts = sorted(rng.sample(range(max(1, n // 10), max(2, 8 * n // 10)), len(roles) + 1))
+    redis_at = counts.pop(rng.randrange(len(counts)))
+    kills = [Kill(role, c) for role, c in zip(roles, counts)] + [Kill("redis", redis_at)]
+    return sorted(kills, key=lambda k: k.at_completed)
+
+
+def token_diff(ref: list[int], got: list[int]) -> tuple[int, int, int]:
+    """(duplicated, missing, wrong) tokens of ``got`` against ``ref``, by alignment: a token
+    sent twice after a resume shows as an insertion, one skipped as a deletion."""
+    import difflib
+
+    dup = miss = wrong = 0
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=ref, b=got, autojunk=False).get_opcodes():
+        if op == "insert":
+            dup += j2 - j1
+        elif op == "delete":
+            miss += i2 - i1
+        elif op == "replace":
+            wrong += max(i2 - i1, j2 - j1)
+    return dup, miss, wrong
 
 
 def held_after(h: ClusterHarness, timeout_s: float) -> tuple[dict[str, int], list[str], float]:
@@ -190,8 +250,11 @@ def held_after(h: ClusterHarness, timeout_s: float) -> tuple[dict[str, int], lis
 def soak(args: argparse.Namespace) -> dict:
     jobs = make_jobs(args.requests, args.seed)
     model = ensure_model("tiny", "llama")
-    config = cluster_config(model, **{"prefill.initial_replicas": 2, "prefill.max_replicas": 2,
-                                      "decode.initial_replicas": 2, "decode.max_replicas": 2})
+    pools = {"prefill.initial_replicas": 2, "prefill.max_replicas": 2,
+             "decode.initial_replicas": 2, "decode.max_replicas": 2}
+    if args.chaos:  # a killed worker is replaced: the pools never run out after several kills
+        pools.update({"prefill.min_replicas": 2, "decode.min_replicas": 2})
+    config = cluster_config(model, **pools)
     report: dict = {"host": {"cpu": cpu_model(), "cores": os.cpu_count()},
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "requests": len(jobs), "concurrency": args.concurrency, "seed": args.seed}
@@ -209,21 +272,31 @@ def soak(args: argparse.Namespace) -> dict:
         report["reference"] = {"wall_s": ref.wall_s, "failed": sum(o.error is not None for o in ref.outcomes.values())}
         ref_failures = {i: o.error for i, o in ref.outcomes.items() if o.error}
         retries0, migrations0 = h.service.backend.retries, h.service.backend.migrations
-        kills = [Kill("prefill", max(1, round(args.kill_prefill_at * len(jobs)))),
-                 Kill("decode", max(1, round(args.kill_decode_at * len(jobs))))]
-        faulty = run(h, jobs, args.concurrency, kills)
+        kills = chaos_kills(args, len(jobs)) if args.chaos else [
+            Kill("prefill", max(1, round(args.kill_prefill_at * len(jobs)))),
+            Kill("decode", max(1, round(args.kill_decode_at * len(jobs))))]
+        faulty = run(h, jobs, args.concurrency, kills, redis, args.redis_outage_s)
         for kill in faulty.kills:  # the router has seen the deaths before anything is counted
-            if kill.worker_id:
+            if kill.worker_id and kill.role != "redis":
                 wait_until(lambda k=kill: all(m.worker_id != k.worker_id for m in h.members(k.role)), 60.0,
                            f"{kill.worker_id} seen dead")
         blocks, entries, settle_s = held_after(h, DRAIN_TIMEOUT_S)
         outs = faulty.outcomes
-        failed = {i: o.error for i, o in outs.items() if o.error}
+        failed = {i: o.error for i, o in outs.items() if o.error and not o.lost}
+        lost = [i for i in range(len(jobs)) if i not in outs or outs[i].lost]
+        dup = miss = wrong = 0
+        for i, o in outs.items():
+            if o.tokens is not None and not o.lost and ref.outcomes[i].tokens is not None:
+                d, m, w = token_diff(ref.outcomes[i].tokens, o.tokens)
+                dup, miss, wrong = dup + d, miss + m, wrong + w
         identical = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens == o.tokens)
         compared = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens is not None)
         report.update({
             "completed": sum(o.error is None for o in outs.values()),
             "failed": len(failed),
+            "lost": len(lost),
+            "duplicated_tokens": dup, "missing_tokens": miss, "wrong_tokens": wrong,
+            "leaked_blocks": sum(blocks.values()),
             "failure_reasons": sorted({r for r in failed.values()})[:10],
             "reference_failures": sorted(set(ref_failures.values()))[:10],
             "identical_to_reference": identical,
@@ -247,8 +320,10 @@ def soak(args: argparse.Namespace) -> dict:
     return report
 
 
-def verdict(report: dict) -> list[str]:
+def verdict(report: dict, chaos: bool = False) -> list[str]:
     """What is wrong with a run (empty when it passed)."""
+    if chaos:
+        return chaos_verdict(report)
     problems = []
     if report["reference_failures"]:
         problems.append(f"{report['reference']['failed']} requests of the fault-free run failed")
@@ -263,9 +338,29 @@ def verdict(report: dict) -> list[str]:
     return problems
 
 
+def chaos_verdict(report: dict) -> list[str]:
+    problems = []
+    if report["reference_failures"]:
+        problems.append(f"{report['reference']['failed']} requests of the fault-free run failed")
+    if report["completed"] < 0.9 * report["requests"]:
+        problems.append(f"only {report['completed']} of {report['requests']} completed (< 90%)")
+    for name in ("lost", "duplicated_tokens", "missing_tokens", "wrong_tokens", "leaked_blocks",
+                 "live_ledger_entries_after"):
+        if report[name]:
+            problems.append(f"{name}: {report[name]}")
+    if any(not k["worker_id"] for k in report["kills"]):
+        problems.append("a kill did not happen (the run ended first)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200, help="streams per run (1-1000)")
+    parser.add_argument("--chaos", action="store_true", help="random kills of both pools and a Redis restart "
+                        "(module doc); --requests defaults to 1000")
+    parser.add_argument("--kills", type=int, default=6, help="with --chaos: workers killed (2-20)")
+    parser.add_argument("--redis-outage-s", type=float, default=2.0, help="with --chaos: Redis down this long")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--requests", type=int, default=None, help="streams per run (1-1000; default 200, 1000 with --chaos)")
     parser.add_argument("--concurrency", type=int, default=32, help="streams at a time (1-64)")
     parser.add_argument("--seed", type=int, default=1, help="prompts and lengths")
     parser.add_argument("--kill-prefill-at", type=float, default=0.25,
@@ -273,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-decode-at", type=float, default=0.5,
                         help="fraction of completed streams at which a decode worker is killed")
     args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = 1000 if args.chaos else 200
+    if args.chaos and not 2 <= args.kills <= 20:
+        parser.error("--kills must be between 2 and 20")
+    if not 0 < args.redis_outage_s <= 30:
+        parser.error("--redis-outage-s must be in (0, 30]")
     if not 1 <= args.requests <= 1000:
         parser.error("--requests must be between 1 and 1000")
     if not 1 <= args.concurrency <= 64:
@@ -283,10 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logger.setLevel(logging.INFO)
     report = soak(args)
-    problems = verdict(report)
+    report["scenario"] = "chaos" if args.chaos else "kill-soak"
+    problems = verdict(report, args.chaos)
     report["problems"] = problems
     print(f"host: {report['host']['cpu']} ({report['host']['cores']} cores); date: {report['date']}")
     print(json.dumps(report, indent=2))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if problems else 0
 
 

@@ -87,3 +87,15 @@ def test_log_normal_lengths_are_reproducible_clipped_and_long_tailed() -> None:
     assert sum(outs) / len(outs) > 1.3 * median       # the tail pulls the mean above it
     with pytest.raises(ValueError, match="output_len"):
         GroupSpec("g", 1, output_len=LogNormal(10, 1.0, 0, 5), concurrency=1)
+
+
+def test_the_servers_table_prints_the_sweep_figures_beside_the_ratios() -> None:
+    from pdserve.bench.serve import format_table
+
+    result = {"when": "now", "host": "cpu", "load": {"num_prompts": 4, "prompt_len": 8, "output_len": 2},
+              "summary": {}, "unavailable": {},
+              "ratios": {"colocated": {"rounds_compared": 0}, "max_rate_90pct_slo": {"pdserve": 4.0, "vllm": 2.0},
+                         "disaggregated_vs_vllm_goodput_rate": 2.0}}
+    text = format_table(result)
+    assert "highest swept rate with >= 90% within SLO: {'pdserve': 4.0, 'vllm': 2.0}" in text
+    assert "disaggregated_vs_vllm_goodput_rate: 2.0" in text
