@@ -53,6 +53,7 @@ from pdserve.bench.serve_stats import highest_rate_meeting
 logger = logging.getLogger(__name__)
 
 SCENARIOS = {"peers": ["pdserve-colocated", "pdserve", "vllm"], "interference": ["pdserve", "pdserve-colocated", "vllm"]}
+NUM_PROMPTS_DEFAULT = 32
 VLLM_DTYPES = ("auto", "bfloat16")   # vLLM-CPU serves this model in bf16: compared with those runs only
 # The interference load (issue 10): steady streams decoding while long prompts arrive
 DECODERS, DECODER_IN, DECODER_OUT = 8, 32, 256
@@ -371,13 +372,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="an OpenAI-compatible server already running on 127.0.0.1")
     where.add_argument("--servers", help="comma-separated servers to start in turn: pdserve, pdserve-colocated, vllm")
-    where.add_argument("--scenario", choices=sorted([*SCENARIOS, *VARIANT_SCENARIOS]),
+    where.add_argument("--scenario", choices=sorted([*SCENARIOS, *VARIANT_SCENARIOS, "chaos"]),
                        help="peers: pdserve colocated, disaggregated, vLLM; interference: steady streams while long "
                        "prompts arrive; batching: continuous vs static batching; prefix: a shared system prompt, "
-                       "prefix cache on vs off")
+                       "prefix cache on vs off; chaos: workers killed and Redis restarted under 1,000 streams")
     p.add_argument("--model", help="served model name (with --url; default: the server's first model)")
     p.add_argument("--model-dir", help="model directory the started servers serve (default: the generated small model)")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS_DEFAULT, help="requests per load "
+                   "(chaos: default 1,000 streams)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--shared-prefix-len", type=int, default=0, help="first prompt tokens common to every request")
@@ -417,6 +419,15 @@ def _check(args: argparse.Namespace) -> str | None:
         return "give --concurrency or --rate, not both"
     if args.url and not args.url.startswith(("http://127.", "http://localhost")):
         return "--url must be a loopback address (http://127.0.0.1:PORT)"
+    if args.scenario == "chaos":
+        extra = [flag for flag, on in (("--concurrency", args.concurrency is not None), ("--rate", args.rate is not None),
+                                       ("--set", bool(args.set)), ("--dtypes", bool(args.dtypes)),
+                                       ("--prompt-len", args.prompt_len != 128), ("--output-len", args.output_len != 64),
+                                       ("--shared-prefix-len", args.shared_prefix_len != 0),
+                                       ("--model-dir", bool(args.model_dir)), ("--rounds", args.rounds != 2)) if on]
+        if extra:
+            return (f"--scenario chaos takes --num-prompts, --seed and --json only (its load and cluster are "
+                    f"fixed: scripts/kill_soak.py); not {', '.join(extra)}")
     if args.sweep_rates and args.scenario not in (None, "peers"):
         return f"--sweep-rates goes with --url, --servers or --scenario peers, not --scenario {args.scenario}"
     return None
@@ -453,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
                 f"client CPU {rec['client_cpu_s']:.2f} s")
     else:
         kinds = SCENARIOS.get(args.scenario, []) if args.scenario else [k.strip() for k in args.servers.split(",") if k.strip()]
+        if args.scenario == "chaos":
+            return _run_chaos(args)
         if args.scenario in VARIANT_SCENARIOS:
             model_dir = model_for(args)
             result = run_variant_scenario(args, VARIANT_SCENARIOS[args.scenario], model_dir, _vocab_size(model_dir))
@@ -475,6 +488,22 @@ def run(args: argparse.Namespace) -> int:
     for path in result.get("plots", []):
         print(f"plot: {path}")
     return 0
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    """``--scenario chaos``: ``scripts/kill_soak.py --chaos`` of this checkout (it drives the
+    cluster with the integration tests' harness, so it runs from a source tree, not a wheel)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kill_soak.py"
+    if not script.exists():
+        print(f"bench serve: error: --scenario chaos runs {script.name} from a pdserve source checkout; "
+              "none beside this installation", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(script), "--chaos", "--json", str(args.json), "--seed", str(args.seed)]
+    if args.num_prompts != NUM_PROMPTS_DEFAULT:
+        cmd += ["--requests", str(args.num_prompts)]
+    import subprocess
+
+    return subprocess.run(cmd).returncode
 
 
 def _plots(args: argparse.Namespace, result: dict, records: dict[str, list]) -> list[Path]:

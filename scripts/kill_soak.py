@@ -140,8 +140,9 @@ def kill_one(h: ClusterHarness, kill: Kill, t0: float, redis: EmbeddedRedis | No
     for role ``redis``, the Redis server, started again on its port ``redis_outage_s`` later."""
     if kill.role == "redis":
         assert redis is not None
+        pid = redis.pid
         redis.kill()
-        kill.worker_id = f"redis pid {redis.pid or '?'}"
+        kill.worker_id = f"redis (pid {pid})"
         kill.seconds_into_run = round(time.monotonic() - t0, 2)
         logger.info("killed Redis at %d completed; starting it again in %.1f s", kill.at_completed, redis_outage_s)
         time.sleep(redis_outage_s)
@@ -159,6 +160,12 @@ def kill_one(h: ClusterHarness, kill: Kill, t0: float, redis: EmbeddedRedis | No
     h.kill(victim)
     kill.worker_id = victim.worker_id
     kill.seconds_into_run = round(time.monotonic() - t0, 2)
+    # The next kill must see this death (a worker still listed would be "killed" twice).
+    try:
+        wait_until(lambda: all(m.worker_id != victim.worker_id for m in h.members(kill.role)), 30.0,
+                   f"{victim.worker_id} seen dead")
+    except TimeoutError:
+        logger.warning("%s still listed 30 s after its kill", victim.worker_id)
     logger.info("killed %s at %d completed (held a request: %s)", victim.worker_id, kill.at_completed,
                 kill.held_a_request)
 
@@ -285,10 +292,16 @@ def soak(args: argparse.Namespace) -> dict:
         failed = {i: o.error for i, o in outs.items() if o.error and not o.lost}
         lost = [i for i in range(len(jobs)) if i not in outs or outs[i].lost]
         dup = miss = wrong = 0
+        differing = []
         for i, o in outs.items():
             if o.tokens is not None and not o.lost and ref.outcomes[i].tokens is not None:
                 d, m, w = token_diff(ref.outcomes[i].tokens, o.tokens)
                 dup, miss, wrong = dup + d, miss + m, wrong + w
+                if d or m or w:
+                    first = next((k for k, (a, b) in enumerate(zip(ref.outcomes[i].tokens, o.tokens)) if a != b), None)
+                    differing.append({"request": i, "first_difference_at": first, "of": len(o.tokens),
+                                      "attempts": o.attempts, "migrations": o.migrations,
+                                      "duplicated": d, "missing": m, "wrong": w})
         identical = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens == o.tokens)
         compared = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens is not None)
         report.update({
@@ -297,6 +310,7 @@ def soak(args: argparse.Namespace) -> dict:
             "lost": len(lost),
             "duplicated_tokens": dup, "missing_tokens": miss, "wrong_tokens": wrong,
             "leaked_blocks": sum(blocks.values()),
+            "differing_streams": differing[:20],
             "failure_reasons": sorted({r for r in failed.values()})[:10],
             "reference_failures": sorted(set(ref_failures.values()))[:10],
             "identical_to_reference": identical,
