@@ -453,9 +453,9 @@ def run(args: argparse.Namespace) -> int:
         url = args.url.rstrip("/")
         model = args.model or served_model_name(url)
         kept: list = []
-        rec = _one_run(args, url, model, _vocab_size(args.model_dir), args.seed, kept)
-        sweeps = {"server": _sweep(args, url, model, _vocab_size(args.model_dir), args.seed, "server")} \
-            if args.sweep_rates else {}
+        vocab = _vocab_size(args.model_dir)
+        rec = _one_run(args, url, model, vocab, args.seed, kept)
+        sweeps = {"server": _sweep(args, url, model, vocab, args.seed, "server")} if args.sweep_rates else {}
         result = {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "host": cpu_model(), "url": args.url, "run": rec, "sweeps": sweeps, "ratios": _sweep_ratios(sweeps),
                   "_records": {"server": kept}}
@@ -475,12 +475,12 @@ def run(args: argparse.Namespace) -> int:
             text = json.dumps(result["ratios"]) if result["ratios"] else ""
         else:
             result = run_servers(args, kinds)
-            text = format_table
+            text = None  # the table, once the JSON is safe
     args.json.parent.mkdir(parents=True, exist_ok=True)
     records = result.pop("_records", {})
     args.json.write_text(json.dumps(result, indent=2) + "\n")   # first: a failing plot or table loses nothing
-    if callable(text):
-        text = text(result)
+    if text is None:
+        text = format_table(result)
     if not args.no_plots:
         result["plots"] = [str(p) for p in _plots(args, result, records)]
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -20,6 +20,17 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, axes, title: str, path: Path, legend_loc: str = "best") -> Path:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc=legend_loc)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cdf(ax, values: Sequence[float], label: str) -> None:
     xs = sorted(values)
     if xs:
@@ -36,14 +47,7 @@ def latency_cdfs(path: Path, series: Mapping[str, Sequence[RequestRecord]], titl
         _cdf(b, [g * 1000 for r in ok for g in gaps(r.token_times)], label)
     a.set(title="time to first token", xlabel="ms", ylabel="fraction of requests")
     b.set(title="inter-token latency", xlabel="ms (log)", ylabel="fraction of gaps", xscale="log")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (a, b), title, path)
 
 
 def itl_timeline(path: Path, series: Mapping[str, Sequence[RequestRecord]], group: str,
@@ -65,14 +69,8 @@ def itl_timeline(path: Path, series: Mapping[str, Sequence[RequestRecord]], grou
         ax.scatter(xs, ys, s=3, alpha=0.6)
         ax.axhline(stall_threshold_s * 1000, color="red", lw=0.8, ls="--", label=f"stall ({stall_threshold_s:g} s)")
         ax.set(ylabel="gap, ms (log)", yscale="log", title=label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel("seconds from the first request")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, axes[:, 0], title, path, legend_loc="upper right")
 
 
 def goodput_vs_rate(path: Path, sweeps: Mapping[str, Sequence[Mapping]], title: str) -> Path:
@@ -87,11 +85,4 @@ def goodput_vs_rate(path: Path, sweeps: Mapping[str, Sequence[Mapping]], title: 
     a.set(title="goodput", xlabel="offered requests/s", ylabel="requests/s within both SLOs")
     b.set(title="requests within SLO", xlabel="offered requests/s", ylabel="fraction", ylim=(0, 1.05))
     b.axhline(0.9, color="grey", lw=0.8, ls="--")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (a, b), title, path)

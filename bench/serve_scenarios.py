@@ -134,11 +134,14 @@ def run_variant_scenario(args: argparse.Namespace, scenario: VariantScenario, mo
 def format_variant_table(result: dict) -> str:
     lines = [f"pdserve bench serve --scenario {result['scenario']}  {result['when']}  host {result['host']}",
              f"  {result['describe']}"]
+    def med(runs: list[dict], key: str) -> float:
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(values) if values else float("nan")
+
     for label, runs in result["runs"].items():
         if runs:
-            med = lambda k: statistics.median(r[k] for r in runs if r[k] is not None) if any(r[k] is not None for r in runs) else float("nan")  # noqa: E731
-            lines.append(f"  {label:12s} {med('output_tokens_per_s'):7.1f} out tok/s  TTFT p50 {med('ttft_p50_ms'):7.0f} ms"
-                         f"  e2e p50 {med('e2e_p50_ms'):7.0f} ms  (median of rounds)")
+            lines.append(f"  {label:12s} {med(runs, 'output_tokens_per_s'):7.1f} out tok/s  TTFT p50 "
+                         f"{med(runs, 'ttft_p50_ms'):7.0f} ms  e2e p50 {med(runs, 'e2e_p50_ms'):7.0f} ms  (median of rounds)")
     for name, value in result["ratios"].items():
         if name != "per_round":
             lines.append(f"  {name}: {value if value is None else round(value, 3)} {result['ratios']['per_round']}")
