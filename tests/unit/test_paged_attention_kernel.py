@@ -33,15 +33,16 @@ def _run(backend: str, cache: torch.Tensor, heads: int, positions: list[int], ta
 
 
 def _case(dtype: torch.dtype, kv_heads: int, group: int, positions: list[int], head_dim: int = 64,
-          layers: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          layers: int = 3, seed: int = 0,
+          block_size: int = BS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    need = [-(-(p + 1) // BS) for p in positions]
+    need = [-(-(p + 1) // block_size) for p in positions]
     num_blocks = sum(need) + 5
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     tables = [[ids.pop() for _ in range(n + rng.randrange(2))] for n in need]  # some tables longer than needed
-    cache = torch.randn(num_blocks, layers, 2, BS, kv_heads, head_dim, generator=g).mul(2).to(dtype)
+    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g).mul(2).to(dtype)
     heads = kv_heads * group
     qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, generator=g).mul(2).to(dtype)
     outs = {}
@@ -67,6 +68,16 @@ def test_bfloat16_matches_sdpa(kv_heads: int, group: int) -> None:
     got, want, _, _ = _case(torch.bfloat16, kv_heads, group, POSITIONS)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_size_not_a_multiple_of_four(dtype: torch.dtype) -> None:
+    """The fast path reduces rows four at a time within a block; the rest of a block (and of a short
+    last block) takes the one-row path. Batch 8 and 1 exercise both task shapes."""
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for positions in ([4, 5, 6, 9, 30, 31, 44, 0], [57]):
+        got, want, _, _ = _case(dtype, 3, 3, positions, block_size=6, seed=5)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def test_single_sequence_long_context_odd_head_dim() -> None:

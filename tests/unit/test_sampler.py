@@ -67,3 +67,17 @@ def test_all_greedy_valid_batch_matches_argmax() -> None:
     seqs = [seq_with(f"g{i}", SamplingParams(temperature=0.0)) for i in range(3)]
     result = Sampler().sample(logits, seqs)
     assert result.failed == {} and result.tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_finite_rows_whose_sum_overflows_still_sample_and_inf_rows_fail() -> None:
+    """The finite check sums each row first; a row of huge but finite logits overflows that sum and
+    must still count as finite, while a row holding +inf or -inf fails."""
+    logits = torch.zeros(3, VOCAB)
+    logits[0, :] = 3e38            # finite, sum overflows to inf
+    logits[0, 9] = 3.2e38          # the argmax
+    logits[1, 3] = float("inf")
+    logits[2, 4] = float("-inf")
+    seqs = [seq_with(f"r{i}", SamplingParams(temperature=0.0)) for i in range(3)]
+    result = Sampler().sample(logits, seqs)
+    assert sorted(result.failed) == [1, 2]
+    assert result.tokens[0] == 9

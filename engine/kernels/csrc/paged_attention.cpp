@@ -105,7 +105,44 @@ struct Shape {
 // Fast paths for head_dim == 4 vectors and up to 4 queries per kv head (every model pdserve runs
 // on AVX-512 with head_dim 64): one kv head's queries stay in registers and each K (or V) row is
 // converted to float32 once for all of them; the V sums accumulate in registers across every
-// position instead of a load and store of the accumulator per row.
+// position instead of a load and store of the accumulator per row. Rows are walked block by block
+// (no division per position), the next block's rows are prefetched, and the dot products of four
+// rows are reduced together (one shuffle tree for four scores instead of a horizontal sum each).
+// Measured against the previous per-position version on this host (bf16, 30 layers' cache, cold):
+// 1.5-1.6x at batch 8-64 and 170 positions, 2.2x at 600 positions.
+
+// Blocks prefetched ahead of the one being read (blocks are scattered, so the hardware prefetcher
+// cannot run ahead across them): 1 hid less of the latency, 4 measured no better than 2.
+constexpr int64_t PF = 2;
+
+template <typename T>
+inline void prefetch_head_rows(const T* first, int64_t rows, int64_t row_stride) {
+  constexpr int64_t kLines = (4 * kW * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(first + r * row_stride);
+    for (int64_t l = 0; l < kLines; ++l) __builtin_prefetch(p + 64 * l);
+  }
+}
+
+// the sums of four vectors, in order, as four floats
+inline void hsum4(const fVec& a, const fVec& b, const fVec& c, const fVec& d, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 va = a, vb = b, vc = c, vd = d;
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(va, vb), _mm512_unpackhi_ps(va, vb));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(vc, vd), _mm512_unpackhi_ps(vc, vd));
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  // each 128-bit lane holds [a, b, c, d] partial sums: add the four lanes
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+#else
+  out[0] = hsum(a);
+  out[1] = hsum(b);
+  out[2] = hsum(c);
+  out[3] = hsum(d);
+#endif
+}
+
 template <int G, typename T>
 void qk_head(const float* qf, const T* cache, const int32_t* table, int64_t off, int64_t n, float scale,
              float* scores, const Shape& s) {
@@ -113,14 +150,38 @@ void qk_head(const float* qf, const T* cache, const int32_t* table, int64_t off,
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) qv[g][k] = fVec::loadu(qf + g * 4 * kW + k * kW);
   }
-  for (int64_t p = 0; p < n; ++p) {
-    const T* kr = cache + table[p / s.block_size] * s.block_stride() + off + (p % s.block_size) * s.row();
-    const fVec k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+  const int64_t bs = s.block_size, row = s.row(), nblocks = (n + bs - 1) / bs;
+  for (int64_t i = 0; i < std::min(PF, nblocks); ++i) prefetch_head_rows(cache + table[i] * s.block_stride() + off, bs, row);
+  for (int64_t i = 0; i < nblocks; ++i) {
+    const T* base = cache + table[i] * s.block_stride() + off;
+    const int64_t p0 = i * bs, m = std::min(bs, n - p0);
+    if (i + PF < nblocks) prefetch_head_rows(cache + table[i + PF] * s.block_stride() + off, bs, row);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {
+      fVec part[G][4];
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const fVec a = at::vec::fmadd(qv[g][0], k0, qv[g][1] * k1);
-      const fVec b = at::vec::fmadd(qv[g][2], k2, qv[g][3] * k3);
-      scores[g * n + p] = hsum(a + b) * scale;
+      for (int j = 0; j < 4; ++j) {
+        const T* kr = base + (r + j) * row;
+        const fVec k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          part[g][j] = at::vec::fmadd(qv[g][0], k0, qv[g][1] * k1) + at::vec::fmadd(qv[g][2], k2, qv[g][3] * k3);
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        float* out = scores + g * n + p0 + r;
+        hsum4(part[g][0], part[g][1], part[g][2], part[g][3], out);
+        for (int j = 0; j < 4; ++j) out[j] *= scale;
+      }
+    }
+    for (; r < m; ++r) {
+      const T* kr = base + r * row;
+      const fVec k0 = load(kr), k1 = load(kr + kW), k2 = load(kr + 2 * kW), k3 = load(kr + 3 * kW);
+      for (int g = 0; g < G; ++g) {
+        scores[g * n + p0 + r] = hsum(at::vec::fmadd(qv[g][0], k0, qv[g][1] * k1) +
+                                      at::vec::fmadd(qv[g][2], k2, qv[g][3] * k3)) * scale;
+      }
     }
   }
 }
@@ -132,16 +193,23 @@ void v_head(const float* scores, const T* cache, const int32_t* table, int64_t o
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) o[g][k] = fVec(0.f);
   }
-  for (int64_t p = 0; p < n; ++p) {
-    const T* vr = cache + table[p / s.block_size] * s.block_stride() + off + (p % s.block_size) * s.row();
-    const fVec v0 = load(vr), v1 = load(vr + kW), v2 = load(vr + 2 * kW), v3 = load(vr + 3 * kW);
+  const int64_t bs = s.block_size, row = s.row(), nblocks = (n + bs - 1) / bs;
+  for (int64_t i = 0; i < std::min(PF, nblocks); ++i) prefetch_head_rows(cache + table[i] * s.block_stride() + off, bs, row);
+  for (int64_t i = 0; i < nblocks; ++i) {
+    const T* base = cache + table[i] * s.block_stride() + off;
+    const int64_t p0 = i * bs, m = std::min(bs, n - p0);
+    if (i + PF < nblocks) prefetch_head_rows(cache + table[i + PF] * s.block_stride() + off, bs, row);
+    for (int64_t r = 0; r < m; ++r) {
+      const T* vr = base + r * row;
+      const fVec v0 = load(vr), v1 = load(vr + kW), v2 = load(vr + 2 * kW), v3 = load(vr + 3 * kW);
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const fVec w(scores[g * n + p]);
-      o[g][0] = at::vec::fmadd(w, v0, o[g][0]);
-      o[g][1] = at::vec::fmadd(w, v1, o[g][1]);
-      o[g][2] = at::vec::fmadd(w, v2, o[g][2]);
-      o[g][3] = at::vec::fmadd(w, v3, o[g][3]);
+      for (int g = 0; g < G; ++g) {
+        const fVec w(scores[g * n + p0 + r]);
+        o[g][0] = at::vec::fmadd(w, v0, o[g][0]);
+        o[g][1] = at::vec::fmadd(w, v1, o[g][1]);
+        o[g][2] = at::vec::fmadd(w, v2, o[g][2]);
+        o[g][3] = at::vec::fmadd(w, v3, o[g][3]);
+      }
     }
   }
   for (int g = 0; g < G; ++g) {
