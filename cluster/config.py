@@ -154,7 +154,10 @@ class PoolSettings(_Settings):
     initial_replicas: int | None = Field(None, ge=0, validate_default=True, description=
                                          "Replicas started with the cluster; default: min_replicas.")
     max_replicas: int | None = Field(None, ge=0, validate_default=True, description="Most replicas "
-                                     "the planner may run; default: initial_replicas (a fixed-size pool).")
+                                     "the planner may run. Default: as many as Ray has room for (never "
+                                     "fewer than initial_replicas): the planner adds a replica only while "
+                                     "Ray's free resources fit one more, and says which resource is missing "
+                                     "when they do not. Set it equal to initial_replicas for a fixed-size pool.")
     num_cpus: float | None = Field(None, ge=0, description="Ray CPUs reserved per replica (the worker "
                                    "computes on that many threads, rounded down). Default: on a local Ray "
                                    "the host's cores divided between the initial replicas of both pools "
@@ -184,10 +187,8 @@ class PoolSettings(_Settings):
     @classmethod
     def _max(cls, value: int | None, info: ValidationInfo) -> int | None:
         low, initial = info.data.get("min_replicas"), info.data.get("initial_replicas")
-        if low is None or initial is None:
+        if low is None or initial is None or value is None:   # None: bounded by Ray's room (auto)
             return value
-        if value is None:
-            return initial
         if value < low:
             raise ValueError(f"must be >= min_replicas ({low})")
         if value < initial:

@@ -79,7 +79,7 @@ def apply_overrides(config: ClusterConfig, overrides: Mapping[str, Any],
                     source: str = "command line") -> ClusterConfig:
     """A copy of ``config`` with dotted keys replaced (``{"router.http_port": 8001}``), revalidated.
 
-    Defaults derived from other fields (served_name, initial/max_replicas) are derived again.
+    Defaults derived from other fields (served_name, initial_replicas) are derived again.
     """
     data = config.model_dump(exclude_unset=True)
     for dotted, value in overrides.items():

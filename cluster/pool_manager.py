@@ -249,16 +249,23 @@ class PoolManager:
 
     def pool_states(self) -> list[PoolState]:
         states = []
-        free = _ray_resources()
+        available, total = _ray_resources()
         for role, record in self.pools.items():
             s = self.config.pool(role)
-            states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
-                                    min_replicas=s.min_replicas, max_replicas=s.max_replicas or s.min_replicas,
+            replicas = len(record.handles) - len(record.draining)
+            need = replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources)
+            if s.max_replicas is not None:
+                limit = s.max_replicas
+            else:
+                limit = auto_max_replicas(replicas + record.pending, s.initial_replicas or 0, s.min_replicas,
+                                          fits(need, available))
+            states.append(PoolState(role=role, replicas=replicas,
+                                    min_replicas=s.min_replicas, max_replicas=limit,
                                     max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
                                     last_scale_up_at=record.last_scale_up_at,
                                     last_scale_down_at=record.last_scale_down_at,
-                                    headroom=headroom(role, self.config.replica_cpus(role), s.num_gpus,
-                                                      s.resources, *free)))
+                                    headroom=headroom(role, need, available, total,
+                                                      auto=s.max_replicas is None)))
         return states
 
     async def plan_once(self) -> list[PlannerDecision]:
@@ -321,19 +328,41 @@ def _ray_resources() -> tuple[dict[str, float], dict[str, float]]:
         return {}, {}
 
 
-def headroom(role: str, cpus: float, gpus: float, custom: dict[str, float],
-             available: dict[str, float], total: dict[str, float]) -> str:
+def decode_limit_now(manager: PoolManager) -> int:
+    """The decode pool's limit as the planner sees it now (its ``max_replicas``, or Ray's room)."""
+    return next(p.max_replicas for p in manager.pool_states() if str(p.role) == "decode")
+
+
+def replica_needs(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
+    """The Ray resources one replica reserves (those above zero)."""
+    return {name: amount for name, amount in {"CPU": cpus, "GPU": gpus, **custom}.items() if amount > 0}
+
+
+def fits(need: dict[str, float], available: dict[str, float]) -> int:
+    """How many more replicas with these needs Ray's free resources hold now (0 when Ray cannot
+    say, or when a replica needs nothing countable)."""
+    if not need or not available:
+        return 0
+    return min(int(available.get(name, 0.0) // amount) for name, amount in need.items())
+
+
+def auto_max_replicas(current: int, initial: int, min_replicas: int, room: int) -> int:
+    """A pool's limit when ``max_replicas`` is not set: the replicas it has (started or starting)
+    plus those Ray has room for now, and never fewer than it started with or its minimum."""
+    return max(current + room, initial, min_replicas)
+
+
+def headroom(role: str, need: dict[str, float], available: dict[str, float], total: dict[str, float],
+             *, auto: bool = False) -> str:
     """One more ``role`` replica's needs against Ray's free resources, in an operator's words:
     which resource is missing (and how much is free of how much), or that there is room and
-    only max_replicas holds it back."""
+    only max_replicas holds it back. ``auto``: the pool's limit is Ray's room (max_replicas unset)."""
     if not total:
         return ""
-    need = {"CPU": cpus, "GPU": gpus, **custom}
     short = [f"{amount:g} {name}" + (f" ({available.get(name, 0.0):g} of {total.get(name, 0.0):g} free)")
-             for name, amount in need.items() if amount > 0 and available.get(name, 0.0) < amount]
+             for name, amount in need.items() if available.get(name, 0.0) < amount]
     if short:
-        return (f"another {role} replica needs {', '.join(short)}: add a node (or free those "
-                "resources) before raising max_replicas")
-    fits = min(int(available.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0) \
-        if any(amount > 0 for amount in need.values()) else 0
-    return f"Ray has room for {fits} more {role} replica{'s' if fits != 1 else ''}: raise {role}.max_replicas"
+        then = "" if auto else " before raising max_replicas"
+        return f"another {role} replica needs {', '.join(short)}: add a node (or free those resources){then}"
+    room = fits(need, available)
+    return f"Ray has room for {room} more {role} replica{'s' if room != 1 else ''}: raise {role}.max_replicas"

@@ -189,9 +189,15 @@ class RouterService:
         return self.endpoints
 
     def _capacity(self) -> int:
-        """Requests the decode pool can run at once at its largest (admission's in-flight cap)."""
+        """Requests the decode pool can run at once at its largest (admission's in-flight cap); with
+        max_replicas unset, its largest is what it started with plus what Ray has room for now."""
         d = self.config.decode
-        return (d.max_replicas or d.min_replicas or 1) * d.engine.max_num_seqs
+        replicas = d.max_replicas
+        if replicas is None:
+            from pdserve.cluster.pool_manager import decode_limit_now
+
+            replicas = decode_limit_now(self.manager)
+        return max(replicas, d.min_replicas, 1) * d.engine.max_num_seqs
 
     async def stop(self) -> None:
         for t in self._tasks:

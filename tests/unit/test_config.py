@@ -57,7 +57,8 @@ def test_model_dir_alone_gives_a_complete_single_machine_config(tmp_path: Path) 
     assert config.model.path == model_dir and config.model.path.is_absolute()
     assert config.model.served_name == "tiny-llama"
     for pool in (config.prefill, config.decode):
-        assert (pool.min_replicas, pool.initial_replicas, pool.max_replicas) == (1, 1, 1)
+        # max_replicas unset: the pool may grow while Ray has room (cluster/pool_manager.auto_max_replicas)
+        assert (pool.min_replicas, pool.initial_replicas, pool.max_replicas) == (1, 1, None)
         assert pool.resources == {} and pool.num_gpus == 0
     assert config.router.host == "127.0.0.1" and config.ray.node_ip_address == "127.0.0.1"
     assert config.redis.url is None and config.router.api_keys == []
@@ -212,7 +213,7 @@ def test_environment_adds_api_keys_and_sets_the_redis_password(tmp_path: Path) -
 
 def test_overrides_revalidate_and_rederive_defaults(tmp_path: Path) -> None:
     config = load_text(tmp_path, "model: {path: /models/a}\ndecode: {min_replicas: 2}\n")
-    assert (config.model.served_name, config.decode.max_replicas) == ("a", 2)
+    assert (config.model.served_name, config.decode.initial_replicas, config.decode.max_replicas) == ("a", 2, None)
     changed = apply_overrides(config, {"model.path": "/models/b", "decode.max_replicas": 4,
                                        "router.disaggregation.mode": "never"})
     assert (changed.model.served_name, changed.decode.max_replicas) == ("b", 4)

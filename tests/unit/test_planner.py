@@ -276,18 +276,42 @@ def test_above_max_replicas_is_repaired_without_waiting_for_a_quiet_spell() -> N
 
 
 def test_at_max_replicas_the_reason_says_which_resource_is_missing() -> None:
-    from pdserve.cluster.pool_manager import headroom
+    from pdserve.cluster.pool_manager import headroom, replica_needs
 
-    full = headroom("decode", 1.0, 0.0, {}, {"CPU": 0.0}, {"CPU": 2.0})
+    full = headroom("decode", replica_needs(1.0, 0.0, {}), {"CPU": 0.0}, {"CPU": 2.0})
     assert full == ("another decode replica needs 1 CPU (0 of 2 free): add a node (or free those resources) "
                     "before raising max_replicas")
-    gpu = headroom("prefill", 4.0, 1.0, {"prefill": 1.0}, {"CPU": 12.0, "prefill": 1.0}, {"CPU": 16.0, "prefill": 1.0})
+    auto = headroom("decode", replica_needs(1.0, 0.0, {}), {"CPU": 0.0}, {"CPU": 2.0}, auto=True)
+    assert auto == "another decode replica needs 1 CPU (0 of 2 free): add a node (or free those resources)"
+    gpu = headroom("prefill", replica_needs(4.0, 1.0, {"prefill": 1.0}), {"CPU": 12.0, "prefill": 1.0},
+                   {"CPU": 16.0, "prefill": 1.0})
     assert "1 GPU (0 of 0 free)" in gpu and "CPU" not in gpu.split(":")[0]
-    room = headroom("decode", 2.0, 0.0, {}, {"CPU": 6.0}, {"CPU": 8.0})
+    room = headroom("decode", replica_needs(2.0, 0.0, {}), {"CPU": 6.0}, {"CPU": 8.0})
     assert room == "Ray has room for 3 more decode replicas: raise decode.max_replicas"
-    assert headroom("decode", 1.0, 0.0, {}, {}, {}) == ""       # Ray not reachable: nothing said
+    assert headroom("decode", replica_needs(1.0, 0.0, {}), {}, {}) == ""       # Ray not reachable: nothing said
     pool = make_pool(Role.DECODE, 2, hi=2, headroom=full)
     workers = [make_worker("d0", kv_usage=0.99), make_worker("d1", kv_usage=0.99)]
     decision = decide_pool(NOW, pool, workers, POLICY)
     assert decision.action is ScaleAction.HOLD
     assert decision.reason.endswith(f"at max_replicas 2 ({full})")
+
+
+def test_an_unset_max_replicas_is_what_ray_has_room_for() -> None:
+    """max_replicas unset: a pool may grow while Ray's free resources hold one more replica (every
+    resource it needs), never below what it started with, and not at all when Ray cannot say."""
+    from pdserve.cluster.pool_manager import auto_max_replicas, fits, replica_needs
+
+    one_cpu = replica_needs(1.0, 0.0, {})
+    assert fits(one_cpu, {"CPU": 3.5}) == 3
+    assert fits(replica_needs(2.0, 0.0, {"prefill": 1.0}), {"CPU": 8.0, "prefill": 1.0}) == 1   # custom binds
+    assert fits(replica_needs(1.0, 1.0, {}), {"CPU": 8.0}) == 0                                  # no GPU at all
+    assert fits(one_cpu, {}) == 0                                                                 # Ray cannot say
+    assert auto_max_replicas(current=1, initial=1, min_replicas=1, room=fits(one_cpu, {"CPU": 2.0})) == 3
+    assert auto_max_replicas(current=1, initial=1, min_replicas=1, room=0) == 1    # a full host: fixed at 1
+    assert auto_max_replicas(current=0, initial=2, min_replicas=1, room=0) == 2    # never below its start
+    # The planner grows a busy pool whose limit is Ray's room, one step at a time.
+    pool = make_pool(Role.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=2))
+    workers = [make_worker("d0", running_seqs=10, waiting_seqs=10)]
+    assert decide_pool(NOW, pool, workers, POLICY).action is ScaleAction.SCALE_UP
+    full = make_pool(Role.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=0))
+    assert decide_pool(NOW, full, workers, POLICY).action is ScaleAction.HOLD
