@@ -1,6 +1,7 @@
 """``pdserve bench transfer``: a prompt's KV moved prefill -> decode over NIXL, against a plain copy.
 
     pdserve bench transfer --json transfer.json [--quick] [--threads 1] [--chunk 512]
+    pdserve bench transfer --link 1gbit,10gbit --json link.json     # across emulated hosts (root)
 
 On the ``small`` model (30 layers, 3 KV heads, head dim 64, block 16, fp32: 0.74 MB per block),
 in one run:
@@ -93,6 +94,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run raw NIXL with these UCX variables (repeatable)")
     p.add_argument("--raw-progress-thread", action="store_true", help="raw NIXL with NIXL's progress thread")
     p.add_argument("--worker-env", default="", metavar="K=V;K=V", help="UCX variables for the workers")
+    p.add_argument("--link", default=None, metavar="RATE[,RATE...]",
+                   help="run the worker path across emulated hosts on links of these tc rates (e.g. 1gbit,10gbit: "
+                        "network namespaces, veth, tbf; needs root) instead of on one host (bench/transfer_link.py)")
+    p.add_argument("--lengths", default="512,1024", metavar="N[,N...]",
+                   help="with --link: other prompt lengths for share_by_length / hidden_up_to_tokens")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -132,6 +138,8 @@ def measure_memcpy(block_shape: tuple[int, ...], num_blocks: int, repeats: int) 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if args.link:
+        return run_link_benchmark(args, settings)
     result = run_benchmark(settings)
     argv = sys.argv[sys.argv.index("transfer") + 1:] if "transfer" in sys.argv else sys.argv[1:]
     result["command"] = " ".join(["pdserve bench transfer", *argv])
@@ -140,6 +148,62 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         sys.stdout.write(f"wrote {args.json}\n")
     return 0 if result["cluster"]["errors"] == 0 and result["cluster"]["leaked_blocks"] == 0 else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """A SIGTERM unwinds like Ctrl-C, so the emulated hosts and their processes are torn down."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_link_benchmark(args: argparse.Namespace, s: Settings) -> int:
+    """``--link``: the worker path across emulated hosts, one link rate after another."""
+    import signal
+
+    from pdserve.bench.hw import cpu_model
+    from pdserve.bench.netns import HostsUnavailable, rate_bits
+    from pdserve.bench.transfer_link import run_links
+    from pdserve.bench.transfer_report import format_links
+    from pdserve.engine.testmodel import ensure_model
+
+    try:
+        rates = [r.strip() for r in args.link.split(",") if r.strip()]
+        for r in rates:
+            rate_bits(r)
+        lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    except ValueError as exc:
+        sys.stderr.write(f"pdserve bench transfer: {exc}\n")
+        return 2
+    if not rates or any(n < 16 for n in lengths):
+        sys.stderr.write("pdserve bench transfer: --link needs at least one rate, --lengths values >= 16\n")
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    model_dir = ensure_model("small")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    spec = {"model_dir": str(model_dir), "prompt_len": s.prompt_len, "chunk_tokens": s.chunk_tokens,
+            "threads": s.threads, "repeats": s.repeats, "vocab_size": cfg["vocab_size"],
+            "kv_cache_memory_gb": s.kv_cache_memory_gb, "env": parse_env(s.worker_env),
+            "more_lengths": [n for n in lengths if n != s.prompt_len]}
+    started = time.time()
+    try:
+        result = run_links(rates, spec)
+    except HostsUnavailable as exc:
+        sys.stderr.write(f"pdserve bench transfer --link: {exc}\n")
+        return 2
+    argv = sys.argv[sys.argv.index("transfer") + 1:] if "transfer" in sys.argv else sys.argv[1:]
+    result.update({
+        "benchmark": "transfer-link",
+        "command": " ".join(["pdserve bench transfer", *argv]),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "settings": {**asdict(s), "lengths": lengths}, "prompt_tokens": s.prompt_len,
+        "elapsed_s": time.time() - started,
+    })
+    sys.stdout.write(format_links(result) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        sys.stdout.write(f"wrote {args.json}\n")
+    bad = any(v["errors"] or v["leaked_blocks"] for v in result["links"].values())
+    return 1 if bad else 0
 
 
 def run_benchmark(s: Settings) -> dict:

@@ -26,8 +26,13 @@ _CALL_TIMEOUT_S = 600.0
 
 def run_cluster(model_dir: str, *, prompt_len: int, chunk_tokens: int, threads: int, repeats: int,
                 vocab_size: int, kv_cache_memory_gb: float, env: dict[str, str],
-                seed: int = 0) -> dict[str, Any]:
-    """Start the workers, run ``1 + repeats`` requests per case (interleaved), stop them."""
+                seed: int = 0, placement: dict[str, dict[str, float]] | None = None,
+                more_lengths: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Start the workers, run ``1 + repeats`` requests per case (interleaved), stop them.
+
+    ``placement``: Ray custom resources per role ("prefill", "decode") that place the workers on
+    particular nodes (emulated hosts). ``more_lengths``: other prompt lengths, ``repeats`` requests
+    per case each after the main ones, recorded under ``by_length``."""
     import ray
 
     from pdserve.cluster.workers import connect_pools, start_worker, stop_worker, wait_ready
@@ -42,8 +47,9 @@ def run_cluster(model_dir: str, *, prompt_len: int, chunk_tokens: int, threads: 
                        max_num_batched_tokens=chunk_tokens, num_threads=threads)
     tag = f"bt{os.getpid()}"
     t0 = time.perf_counter()
-    decode = start_worker("decode", f"{tag}-d", cfg, env=worker_env)
-    prefill = {case: start_worker("prefill", f"{tag}-p-{case}", cfg, env=worker_env,
+    where = placement or {}
+    decode = start_worker("decode", f"{tag}-d", cfg, env=worker_env, resources=where.get("decode"))
+    prefill = {case: start_worker("prefill", f"{tag}-p-{case}", cfg, env=worker_env, resources=where.get("prefill"),
                                   worker_kwargs={"overlap_transfer": overlap})
                for case, overlap in CASES.items()}
     handles = [decode, *prefill.values()]
@@ -68,6 +74,15 @@ def run_cluster(model_dir: str, *, prompt_len: int, chunk_tokens: int, threads: 
                     out["bytes_match"] = ok if out["bytes_match"] is None else out["bytes_match"] and ok
                 else:
                     out["runs"][case].append(rec)
+        if more_lengths:
+            out["by_length"] = {str(n): {c: [] for c in CASES} for n in more_lengths}
+        for n in more_lengths:
+            for i in range(repeats):
+                for case, p in prefill.items():
+                    prompt = [rng.randrange(16, vocab_size) for _ in range(n)]
+                    rec = _one_request(decode, p, f"{case}-{n}-{i}", prompt, verify=False)
+                    out["errors"] += bool(rec.get("error"))
+                    out["by_length"][str(n)][case].append(rec)
         out["leaked_blocks"] = sum(ray.get([h.actor.blocks_in_use.remote() for h in handles],
                                            timeout=_CALL_TIMEOUT_S))
     finally:

@@ -126,3 +126,25 @@ def format_table(r: dict) -> str:
         f"no_overlap {_f(r['transfer_share_of_ttft'].get('no_overlap'), '.4f')}; best burst "
         f"{_f(r['transfer_gbps_best'], '.2f')} GB/s = {_f(r['transfer_vs_memcpy_ratio_best'], '.2f')} of memcpy")
     return "\n".join(lines)
+
+
+def format_links(result: dict) -> str:
+    """The ``--link`` run as a table: one row per link rate."""
+    host = result["host"]
+    lines = [f"pdserve bench transfer --link  {result['date']}  cpu {host['cpu_model']} x{host['cpus']}  "
+             f"prompt {result['prompt_tokens']} tokens, small model fp32, UCX over TCP between emulated hosts",
+             f"{'link':>8} {'transfer':>10} {'util':>6} {'ttft ovl':>9} {'ttft no':>9} {'share ovl':>9} "
+             f"{'share no':>9} {'hidden<=':>9} {'wire/kv':>8} {'err':>4} {'leak':>5}"]
+    for rate, v in result["links"].items():
+        def f(x, fmt):
+            return format(x, fmt) if x is not None else "-"
+        lines.append(f"{rate:>8} {f(v['transfer_gbps'], '8.2f')}Gb {f(v['link_utilization'], '6.2f')} "
+                     f"{f(v['ttft_s'].get('overlap'), '8.3f')}s {f(v['ttft_s'].get('no_overlap'), '8.3f')}s "
+                     f"{f(v['transfer_share_of_ttft'].get('overlap'), '9.3f')} "
+                     f"{f(v['transfer_share_of_ttft'].get('no_overlap'), '9.3f')} "
+                     f"{f(v['hidden_up_to_tokens'], '9d')} {f(v['wire_bytes_per_kv_byte'], '8.2f')} "
+                     f"{v['errors']:>4} {v['leaked_blocks']:>5}")
+        lines.append(f"{'':>8} overlap share by prompt length: "
+                     + ", ".join(f"{n}: {f(x, '.3f')}" for n, x in v["share_by_length"].items())
+                     + f"; break-even link {f(v.get('break_even_gbps'), '.2f')} Gbit/s")
+    return "\n".join(lines)

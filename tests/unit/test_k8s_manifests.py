@@ -245,6 +245,16 @@ def test_every_ray_container_starts_workers_at_normal_priority(rendered, overlay
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_worker_pods_move_kv_over_the_network(rendered, overlay):
+    """Prefill and decode pods are different hosts: UCX must use a network transport (cross-memory
+    attach needs both processes on one kernel, which two pods do not share)."""
+    spec = one(rendered[overlay], "RayCluster")["spec"]
+    for group in spec["workerGroupSpecs"]:
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0].get("env", [])}
+        assert env.get("UCX_TLS") in ("tcp", "rc,tcp"), group["groupName"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_autoscaling_and_gcs_fault_tolerance(rendered, overlay):
     objs = rendered[overlay]
     spec = one(objs, "RayCluster")["spec"]
