@@ -128,11 +128,17 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _kv_per_token(result: dict) -> str:
+    kv = next((v["kv_bytes"] for v in result["links"].values() if v.get("kv_bytes")), None)
+    return f"{kv / result['prompt_tokens'] / 1024:.1f} KiB" if kv else "? KiB"
+
+
 def format_links(result: dict) -> str:
     """The ``--link`` run as a table: one row per link rate."""
     host = result["host"]
     lines = [f"pdserve bench transfer --link  {result['date']}  cpu {host['cpu_model']} x{host['cpus']}  "
-             f"prompt {result['prompt_tokens']} tokens, small model fp32, UCX over TCP between emulated hosts",
+             f"prompt {result['prompt_tokens']} tokens, small model ({_kv_per_token(result)} of KV per token), "
+             "UCX over TCP between emulated hosts",
              f"{'link':>8} {'transfer':>10} {'util':>6} {'ttft ovl':>9} {'ttft no':>9} {'share ovl':>9} "
              f"{'share no':>9} {'hidden<=':>9} {'wire/kv':>8} {'err':>4} {'leak':>5}"]
     for rate, v in result["links"].items():

@@ -86,6 +86,19 @@ def test_bfloat16_close_to_sdpa() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.06)
 
 
+@pytest.mark.parametrize("head_dim", [40, 33])
+def test_bfloat16_other_head_dims(head_dim: int) -> None:
+    """bf16 scores take two dimensions at a time where the CPU has AVX512-BF16 (an even head_dim,
+    here with a scale that is not a power of two), the FMA path otherwise (odd): both stay as close
+    to the float32 result as SDPA is."""
+    chunks = [(0, 19), (7, 30)]
+    got, want, _, _ = _case(torch.bfloat16, 2, 3, chunks, head_dim=head_dim, seed=2)
+    ref, _, _, _ = _case(torch.float32, 2, 3, chunks, head_dim=head_dim, seed=2)
+    err_kernel = (got.float() - ref).abs().max()
+    err_sdpa = (want.float() - ref).abs().max()
+    assert err_kernel <= err_sdpa * 1.5 + 1e-2, (err_kernel, err_sdpa)
+
+
 def test_kernel_rejects_bad_inputs() -> None:
     cache = torch.zeros(4, 1, 2, 8, 1, 16)
     q = torch.zeros(5, 16)
