@@ -28,11 +28,12 @@ def test_link_figures_from_records() -> None:
         "runs": {"overlap": [rec(100 * mb, 4.0, 0.1, 0.9, 3.5), rec(100 * mb, 4.2, 0.3, 0.9, 3.6)],
                  "no_overlap": [rec(100 * mb, 4.5, 0.8, 0.8, 3.5), rec(100 * mb, 4.7, 0.8, 0.8, 3.5),
                                 {"kv_bytes": 0, "error": "timed out"}]},
-        "by_length": {"512": {"overlap": [rec(25 * mb, 1.0, 0.2, 0.3, 0.8)], "no_overlap": []}},
+        "by_length": {"512": {"overlap": [rec(25 * mb, 1.0, 0.2, 0.3, 0.8)], "no_overlap": [rec(25 * mb, 1, 0.1, 0.1, 0.8)]}},
     }
     f = link_figures("1gbit", cluster, wire_tx=700 * mb)
     assert f["link_gbps"] == 1.0 and f["kv_bytes"] == 100 * mb
-    assert f["transfer_gbps"] == pytest.approx(1.0)            # 100 MB in 0.8 s, the failed run left out
+    assert f["transfer_gbps_at_prompt_len"] == pytest.approx(1.0)   # 100 MB in 0.8 s, the failed run left out
+    assert f["pushes"] == 3 and f["transfer_gbps"] == pytest.approx(1.0)   # median of 1.0, 1.0, 2.0 Gbit/s
     assert f["link_utilization"] == pytest.approx(1.0)
     assert f["ttft_s"]["overlap"] == pytest.approx(4.1)
     assert f["transfer_share_of_ttft"]["overlap"] == pytest.approx(0.2 / 4.1)
@@ -40,4 +41,4 @@ def test_link_figures_from_records() -> None:
     assert f["hidden_up_to_tokens"] == 2048                     # 0.049 <= 0.05; 512 at 0.2 is not
     # 100 MB per 2,048 tokens made in 3.5 s: 0.229 Gbit/s of KV
     assert f["break_even_gbps"] == pytest.approx(100 * mb * 8 / 3.5 / 1e9)
-    assert f["wire_bytes_per_kv_byte"] == pytest.approx(700 / 625)   # 6 runs + warm-ups + one at 512
+    assert f["wire_bytes_per_kv_byte"] == pytest.approx(700 / 650)   # 5 runs + warm-ups + two at 512
