@@ -32,6 +32,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from pdserve.cluster.pids import pid_alive
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "pdn"            # every namespace this module creates starts with it
@@ -96,22 +98,12 @@ def remove_stale() -> list[str]:
     removed = []
     for name in names:
         m = re.match(rf"^{PREFIX}(\d+)(?:br|h\d+)$", name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
     if removed:
         logger.info("removed namespaces left by earlier runs: %s", removed)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True, slots=True)

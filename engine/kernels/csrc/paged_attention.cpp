@@ -124,6 +124,21 @@ inline void prefetch_head_rows(const T* first, int64_t rows, int64_t row_stride)
   }
 }
 
+// body(rows, p0, m) for each block of a head's first n positions: rows = the block's first row of
+// this head, p0 = its first position, m = its rows in use; the rows of the block PF ahead are
+// prefetched before each body runs.
+template <typename T, typename Body>
+inline void for_each_block(const T* cache, const int32_t* table, int64_t off, int64_t n, const Shape& s,
+                           Body&& body) {
+  const int64_t bs = s.block_size, nblocks = (n + bs - 1) / bs;
+  auto rows = [&](int64_t i) { return cache + table[i] * s.block_stride() + off; };
+  for (int64_t i = 0; i < std::min(PF, nblocks); ++i) prefetch_head_rows(rows(i), bs, s.row());
+  for (int64_t i = 0; i < nblocks; ++i) {
+    if (i + PF < nblocks) prefetch_head_rows(rows(i + PF), bs, s.row());
+    body(rows(i), i * bs, std::min(bs, n - i * bs));
+  }
+}
+
 // the sums of four vectors, in order, as four floats
 inline void hsum4(const fVec& a, const fVec& b, const fVec& c, const fVec& d, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -150,12 +165,8 @@ void qk_head(const float* qf, const T* cache, const int32_t* table, int64_t off,
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) qv[g][k] = fVec::loadu(qf + g * 4 * kW + k * kW);
   }
-  const int64_t bs = s.block_size, row = s.row(), nblocks = (n + bs - 1) / bs;
-  for (int64_t i = 0; i < std::min(PF, nblocks); ++i) prefetch_head_rows(cache + table[i] * s.block_stride() + off, bs, row);
-  for (int64_t i = 0; i < nblocks; ++i) {
-    const T* base = cache + table[i] * s.block_stride() + off;
-    const int64_t p0 = i * bs, m = std::min(bs, n - p0);
-    if (i + PF < nblocks) prefetch_head_rows(cache + table[i + PF] * s.block_stride() + off, bs, row);
+  const int64_t row = s.row();
+  for_each_block(cache, table, off, n, s, [&](const T* base, int64_t p0, int64_t m) {
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) {
       fVec part[G][4];
@@ -183,7 +194,7 @@ void qk_head(const float* qf, const T* cache, const int32_t* table, int64_t off,
                                       at::vec::fmadd(qv[g][2], k2, qv[g][3] * k3)) * scale;
       }
     }
-  }
+  });
 }
 
 template <int G, typename T>
@@ -193,12 +204,8 @@ void v_head(const float* scores, const T* cache, const int32_t* table, int64_t o
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) o[g][k] = fVec(0.f);
   }
-  const int64_t bs = s.block_size, row = s.row(), nblocks = (n + bs - 1) / bs;
-  for (int64_t i = 0; i < std::min(PF, nblocks); ++i) prefetch_head_rows(cache + table[i] * s.block_stride() + off, bs, row);
-  for (int64_t i = 0; i < nblocks; ++i) {
-    const T* base = cache + table[i] * s.block_stride() + off;
-    const int64_t p0 = i * bs, m = std::min(bs, n - p0);
-    if (i + PF < nblocks) prefetch_head_rows(cache + table[i + PF] * s.block_stride() + off, bs, row);
+  const int64_t row = s.row();
+  for_each_block(cache, table, off, n, s, [&](const T* base, int64_t p0, int64_t m) {
     for (int64_t r = 0; r < m; ++r) {
       const T* vr = base + r * row;
       const fVec v0 = load(vr), v1 = load(vr + kW), v2 = load(vr + 2 * kW), v3 = load(vr + 3 * kW);
@@ -211,7 +218,7 @@ void v_head(const float* scores, const T* cache, const int32_t* table, int64_t o
         o[g][3] = at::vec::fmadd(w, v3, o[g][3]);
       }
     }
-  }
+  });
   for (int g = 0; g < G; ++g) {
     for (int k = 0; k < 4; ++k) o[g][k].store(acc + g * 4 * kW + k * kW);
   }
