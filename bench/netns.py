@@ -13,8 +13,9 @@ Life cycle of ``EmulatedHosts(n, rate)``:
    egress of ``eth0`` (host -> bridge) and of the bridge port (bridge -> host) are shaped with
    ``tbf`` at ``rate``. Nothing is created in or changed on the host's own network namespace.
 3. ``popen(i, argv)`` runs a process inside host ``i`` (``ip netns exec``), in its own process
-   group; ``link_bytes(i)`` reads host ``i``'s interface counters; ``set_link(i, up)`` takes its
-   link down or up (a failure in the middle of a transfer).
+   group; ``link_bytes(i)`` reads host ``i``'s interface counters; ``set_port(bridge_ns, i, up)``
+   takes its link down or up at the bridge (a failure in the middle of a transfer), from any
+   process on the machine.
 4. ``__exit__``, also after a failure: every process group it started is killed, then the
    namespaces are deleted (which deletes their interfaces). ``remove_stale()`` deletes namespaces a
    crashed run left behind (their owner pid, part of the name, is no longer alive).
@@ -29,7 +30,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 
 from pdserve.cluster.pids import pid_alive
@@ -213,19 +213,3 @@ class EmulatedHosts:
     def link_bytes(self, i: int) -> LinkBytes:
         """Bytes host ``i`` sent and received on its link (its ``eth0`` counters)."""
         return read_link_bytes(self.namespaces[i])
-
-    def set_link(self, i: int, up: bool) -> None:
-        """Take host ``i``'s link down (its bridge port, so the host sees no change of its own) or up."""
-        set_port(self.bridge_ns, i, up)
-
-    def wait_reachable(self, src: int, dst: int, timeout_s: float = 10.0) -> None:
-        """Until host ``src`` can reach host ``dst`` (the bridge learns its ports in a moment)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            res = _run("ip", "netns", "exec", self.namespaces[src], "ping", "-c", "1", "-W", "1", self.ip(dst),
-                       check=False) if shutil.which("ping") else None
-            if res is None or res.returncode == 0:
-                return
-            if time.monotonic() >= deadline:
-                raise HostsUnavailable(f"host {src} cannot reach {self.ip(dst)}: {res.stdout.strip()[-200:]}")
-            time.sleep(0.2)

@@ -106,10 +106,12 @@ def run_link(rate: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One rate: hosts up, Ray across them, the driver's figures, link counters, all torn down."""
     with EmulatedHosts(3, rate) as hosts:
         head = start_ray(hosts)
+        logs = run_dir(hosts)
         before = hosts.link_bytes(1)
         argv = [sys.executable, "-m", "pdserve.bench.transfer_link", "--driver",
                 json.dumps({**settings, "address": head, "node_ip": hosts.ip(0)})]
-        driver = hosts.popen(0, argv, env=ray_env(run_dir(hosts) / "auth_token"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        driver = hosts.popen(0, argv, env=ray_env(logs / "auth_token"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
         try:
             out, _ = driver.communicate(timeout=DRIVER_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -118,9 +120,9 @@ def run_link(rate: str, settings: dict[str, Any]) -> dict[str, Any]:
         after = hosts.link_bytes(1)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if driver.returncode or len(lines) != 1:
-        raise RuntimeError(f"the driver on {rate} failed ({driver.returncode}), node logs in {run_dir(hosts)}:\n"
+        raise RuntimeError(f"the driver on {rate} failed ({driver.returncode}), node logs in {logs}:\n"
                            f"{out[-3000:]}")
-    for d in (run_dir(hosts), *(node_dir(hosts, i) for i in range(hosts.n))):
+    for d in (logs, *(node_dir(hosts, i) for i in range(hosts.n))):
         shutil.rmtree(d, ignore_errors=True)
     cluster = json.loads(lines[0][len("RESULT "):])
     return link_figures(rate, cluster, wire_tx=after.tx - before.tx)
@@ -154,8 +156,8 @@ def link_figures(rate: str, cluster: dict[str, Any], wire_tx: int) -> dict[str, 
     hidden = [int(n) for n, s in by_length.items() if s is not None and s <= HIDDEN_SHARE]
     # The link speed at which the KV leaves as fast as prefill makes it: below it the unhidden
     # part of the transfer grows with the prompt; above it only the last chunk's push is exposed.
-    prefill_s, prompt_len = med(runs["no_overlap"], "prefill_s"), cluster["prompt_len"]
-    break_even = (kv_bytes / prompt_len) * (prompt_len / prefill_s) * 8 / 1e9 if kv_bytes and prefill_s else None
+    prefill_s = med(runs["no_overlap"], "prefill_s")
+    break_even = kv_bytes * 8 / prefill_s / 1e9 if kv_bytes and prefill_s else None
     sent_kv = sum(r["kv_bytes"] for rs in (*runs.values(), *[c for v in cluster.get("by_length", {}).values()
                                                           for c in v.values()])
                   for r in rs if not r.get("error")) + sum(w.get("kv_bytes", 0) for w in cluster["warmup"].values())

@@ -252,21 +252,29 @@ class PoolManager:
         available, total = _ray_resources()
         for role, record in self.pools.items():
             s = self.config.pool(role)
-            replicas = len(record.handles) - len(record.draining)
             need = replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources)
-            if s.max_replicas is not None:
-                limit = s.max_replicas
-            else:
-                limit = auto_max_replicas(replicas + record.pending, s.initial_replicas or 0, s.min_replicas,
-                                          fits(need, available))
-            states.append(PoolState(role=role, replicas=replicas,
-                                    min_replicas=s.min_replicas, max_replicas=limit,
+            states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
+                                    min_replicas=s.min_replicas, max_replicas=self._limit(role, need, available),
                                     max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
                                     last_scale_up_at=record.last_scale_up_at,
                                     last_scale_down_at=record.last_scale_down_at,
                                     headroom=headroom(role, need, available, total,
                                                       auto=s.max_replicas is None)))
         return states
+
+    def replica_limit(self, role: str) -> int:
+        """The most replicas ``role``'s pool may run now: its ``max_replicas``, or when that is
+        unset, the replicas it has (started or starting) plus those Ray has room for."""
+        s = self.config.pool(role)
+        return self._limit(role, replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources),
+                           _ray_resources()[0])
+
+    def _limit(self, role: str, need: dict[str, float], available: dict[str, float]) -> int:
+        s, record = self.config.pool(role), self.pools[role]
+        if s.max_replicas is not None:
+            return s.max_replicas
+        current = len(record.handles) - len(record.draining) + record.pending
+        return auto_max_replicas(current, s.initial_replicas or 0, s.min_replicas, fits(need, available))
 
     async def plan_once(self) -> list[PlannerDecision]:
         """One planner decision per pool, acted upon in the background: a scale-up that waits
@@ -326,11 +334,6 @@ def _ray_resources() -> tuple[dict[str, float], dict[str, float]]:
         return dict(ray.available_resources()), dict(ray.cluster_resources())
     except Exception:  # the planner's reason just leaves the headroom out
         return {}, {}
-
-
-def decode_limit_now(manager: PoolManager) -> int:
-    """The decode pool's limit as the planner sees it now (its ``max_replicas``, or Ray's room)."""
-    return next(p.max_replicas for p in manager.pool_states() if str(p.role) == "decode")
 
 
 def replica_needs(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:

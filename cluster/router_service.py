@@ -192,12 +192,7 @@ class RouterService:
         """Requests the decode pool can run at once at its largest (admission's in-flight cap); with
         max_replicas unset, its largest is what it started with plus what Ray has room for now."""
         d = self.config.decode
-        replicas = d.max_replicas
-        if replicas is None:
-            from pdserve.cluster.pool_manager import decode_limit_now
-
-            replicas = decode_limit_now(self.manager)
-        return max(replicas, d.min_replicas, 1) * d.engine.max_num_seqs
+        return max(self.manager.replica_limit("decode"), d.min_replicas, 1) * d.engine.max_num_seqs
 
     async def stop(self) -> None:
         for t in self._tasks:
