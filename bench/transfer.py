@@ -169,6 +169,9 @@ def run_link_benchmark(args: argparse.Namespace, s: Settings) -> int:
         rates = [r.strip() for r in args.link.split(",") if r.strip()]
         for r in rates:
             rate_bits(r)
+        bad = [n for n in args.lengths.split(",") if n.strip() and not n.strip().isdigit()]
+        if bad:
+            raise ValueError(f"--lengths {bad[0].strip()!r} is not a whole number of tokens (e.g. --lengths 512,1024)")
         lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
     except ValueError as exc:
         sys.stderr.write(f"pdserve bench transfer: {exc}\n")
