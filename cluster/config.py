@@ -132,6 +132,11 @@ class EngineSettings(_Settings):
         "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
         "SDPA, 'auto' = native when built and on CPU (a log line says when it falls back).")
 
+    warm_up: bool = Field(True, description="At start, run one prefill step of max_num_batched_tokens "
+                          "tokens and one decode step of max_num_seqs sequences on scratch KV blocks (zeroed "
+                          "after), so the first burst does not pay for planning those shapes (~1 s at start "
+                          "for the small model on 2 cores).")
+
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
@@ -221,7 +226,7 @@ class PoolSettings(_Settings):
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
             attention_backend=e.attention_backend, linear_backend=e.linear_backend,
-            policy=SchedulingPolicy(e.scheduling_policy))
+            policy=SchedulingPolicy(e.scheduling_policy), warm_up=e.warm_up)
 
 
 class DisaggregationSettings(_Settings):

@@ -66,6 +66,9 @@ class EngineConfig:
     # prompt tokens that fit in this target beside them (measured decode step time and prefill
     # rate); None: no cap beyond max_num_batched_tokens. Needs chunked prefill.
     itl_target_ms: float | None = None
+    # Run one full prefill step and one full decode step on scratch blocks at start (see
+    # ModelRunner.warm_up), so the first requests do not pay for planning those shapes.
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

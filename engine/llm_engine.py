@@ -158,6 +158,9 @@ class LLMEngine:
         self.itl_budget = ItlBudget(config.itl_target_ms, config.block_size, config.max_num_batched_tokens) \
             if config.itl_target_ms is not None and config.enable_chunked_prefill else None
         self._max_prefill_with_decodes = 0
+        if config.warm_up:
+            self.runner.warm_up(self.scheduler.config.max_num_batched_tokens, config.max_num_seqs,
+                                self.max_model_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(
