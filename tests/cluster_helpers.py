@@ -37,6 +37,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.worker_pool import PoolMember
+from waiting import wait_until  # noqa: F401  (re-exported for the tests)
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 30.0
@@ -68,15 +69,6 @@ SLOW_PREFILL_OVERRIDES: dict[str, Any] = {
 def cluster_config(model_dir: str | Path, **overrides: Any) -> ClusterConfig:
     """The test config for ``model_dir``; keyword keys are dotted paths (``decode.min_replicas``)."""
     return apply_overrides(config_from_model(model_dir), {**TEST_OVERRIDES, **overrides})
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
-    """Poll ``predicate`` until true; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not reached within {timeout_s:.0f} s")
-        time.sleep(interval_s)
 
 
 def reference_engine(config: ClusterConfig) -> LLMEngine:

@@ -28,6 +28,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.result import PrefillResult
+from waiting import wait_until  # noqa: F401  (re-exported for the tests)
 
 READY_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 30.0
@@ -68,18 +69,6 @@ class DisaggOutcome:
         if self.final is not None:
             return self.final.finish_reason
         return self.prefill.finish_reason if self.prefill is not None else None
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1,
-               what: str = "condition") -> None:
-    """Poll ``predicate`` until it is true; TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} not reached within {timeout_s:.1f} s")
-        time.sleep(interval_s)
 
 
 _LEAK_KEYS = ("num_running", "num_waiting", "in_flight", "reservations", "kv_open_transfers", "kv_mailboxes")

@@ -358,7 +358,7 @@ def test_killed_sender_times_out_the_receiver_without_hanging(fp32_pair: Pair) -
         assert not receiver.blocks_reusable  # a write of the dead sender might still land
         time.sleep(1.05)
         # Quarantine passed but the params have not expired (plus skew): still not reusable.
-        assert time.time() < receiver.expires_at + EXPIRY_SKEW_S or receiver.blocks_reusable
+        assert time.time() >= receiver.expires_at + EXPIRY_SKEW_S or not receiver.blocks_reusable
         wait_s = receiver.expires_at + EXPIRY_SKEW_S - time.time()
         time.sleep(max(0.0, wait_s) + 0.05)
         assert receiver.blocks_reusable  # expiry and quarantine passed; nobody confirmed

@@ -1,0 +1,102 @@
+"""What crosses the process boundary between the router's side and the workers, typed.
+
+Workers run as Ray actors in their own processes; the router, the pool manager, the planner
+and ``pdserve status`` read what they report. Every field that crosses is named here, once: a
+worker returns a ``WorkerStats``, never a dict, so a renamed field fails where it is read
+(an ``AttributeError`` in a test) instead of reading as 0 and making a busy worker look idle.
+
+``CONTRACT_VERSION`` changes when a field changes meaning or is removed (adding one with a
+default does not change it); a reader that meets another version refuses it by name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+CONTRACT_VERSION = 1
+
+
+class WorkerRole(enum.StrEnum):
+    """The pool a worker serves in (the engine's own mode is ``EngineMode``)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def as_role(role: object) -> WorkerRole:
+    """``WorkerRole`` from itself, its string, or another enum with the same values."""
+    return WorkerRole(getattr(role, "value", role))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker's report (``worker.stats()``), read by the router's pool view, the pool manager,
+    the planner and ``pdserve status``."""
+
+    worker_id: str
+    role: WorkerRole
+    # the engine (engine.llm_engine.EngineStats)
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float
+    prefix_hit_rate: float
+    generated_tokens: int
+    prompt_tokens_computed: int
+    prefill_compute_s: float
+    prefill_budget_tokens: int | None
+    max_prefill_tokens_with_decodes: int
+    # the worker process and its NIXL agent
+    kv_open_transfers: int
+    kv_mailboxes: int
+    started_at: float
+    niceness: int
+    pid: int
+    transfer_timeout_s: float | None
+    # what the runner resolved at start (engine.model_runner.ModelRunner.describe)
+    dtype: str = ""
+    num_threads: int = 0
+    linear_backend: str = ""
+    kernels: dict[str, str] = field(default_factory=dict)
+    kernels_source: str = ""
+    attention_backend: str = ""
+    # role-specific: prefill jobs in flight; decode reservations, recent ITL, expired reservations
+    in_flight: int = 0
+    reservations: int = 0
+    itl_ms: float | None = None
+    expired_reservations: int = 0
+    # where it runs (filled by the Ray actor classes)
+    node_id: str = ""
+    node_ip: str = ""
+    cores: list[int] | None = None
+    pinning: str = ""
+    version: int = CONTRACT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != CONTRACT_VERSION:
+            raise ValueError(f"worker {self.worker_id} reports contract version {self.version}; this "
+                             f"router reads version {CONTRACT_VERSION}: run one pdserve version everywhere")
+        object.__setattr__(self, "role", as_role(self.role))
+
+    @property
+    def busy(self) -> bool:
+        """Holds any request: running, waiting, a prefill job in flight or a KV reservation."""
+        return bool(self.num_running or self.num_waiting or self.in_flight or self.reservations)
+
+    @property
+    def holds_anything(self) -> bool:
+        """Busy, or still holding a NIXL transfer handle or mailbox (tests: nothing leaked)."""
+        return self.busy or bool(self.kv_open_transfers or self.kv_mailboxes)
+
+    @property
+    def produced_tokens(self) -> int:
+        """The tokens this worker's role produces: prompt tokens for prefill, generated for decode."""
+        return self.prompt_tokens_computed if self.role is WorkerRole.PREFILL else self.generated_tokens
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-able values (status output)."""
+        d = asdict(self)
+        d["role"] = str(self.role)
+        return d
