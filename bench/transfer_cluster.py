@@ -123,7 +123,7 @@ def _one_request(decode, prefill, rid: str, prompt: list[int], *, verify: bool) 
     ray.get(decode.actor.start.remote(rid, prompt, res.first_token_id, params), timeout=_CALL_TIMEOUT_S)
     deadline = time.monotonic() + 120.0
     while time.monotonic() < deadline:
-        done = [o for o in ray.get(decode.actor.drain.remote(0.2), timeout=_CALL_TIMEOUT_S)
+        done = [o for o in ray.get(decode.actor.take_outputs.remote(0.2), timeout=_CALL_TIMEOUT_S)
                 if o.request_id == rid and o.finished]
         if done:
             if done[0].finish_reason not in ("stop", "length"):

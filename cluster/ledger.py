@@ -33,6 +33,7 @@ import redis
 
 from pdserve.cluster.redis_server import connect
 from pdserve.engine.errors import PdserveError
+from pdserve.router.ledger_port import LedgerState  # noqa: F401  (the ledger's states; re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,6 @@ class InvalidTransitionError(LedgerError):
 
     grpc_status = "FAILED_PRECONDITION"
     http_status = 409
-
-
-class LedgerState(enum.Enum):
-    RESERVED = "RESERVED"
-    TRANSFERRING = "TRANSFERRING"
-    LANDED = "LANDED"
-    DECODING = "DECODING"
-    FAILED = "FAILED"
-    FREED = "FREED"
 
 
 class Side(enum.Enum):

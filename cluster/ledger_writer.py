@@ -82,8 +82,10 @@ class LedgerWriter:
         lease = self.lease_s if lease_s is None else lease_s
         await self._record(attempt, LedgerStep(RESERVE, (worker_id, list(blocks), lease)))
 
-    async def transition(self, attempt: str, to: LedgerState, **kwargs: object) -> None:
-        await self._record(attempt, LedgerStep(LedgerState(to), (), dict(kwargs)))
+    async def transition(self, attempt: str, to: LedgerState, *, prefill_worker_id: str | None = None,
+                         error: str | None = None, lease_s: float | None = None) -> None:
+        fields = {"prefill_worker_id": prefill_worker_id, "error": error, "lease_s": lease_s}
+        await self._record(attempt, LedgerStep(LedgerState(to), (), {k: v for k, v in fields.items() if v is not None}))
 
     async def renew(self, attempt: str, lease_s: float | None = None) -> None:
         lease = self.lease_s if lease_s is None else lease_s

@@ -1,15 +1,18 @@
 """Worker actor classes that also publish Ray metrics (``cluster/metrics.py``) from inside the
-worker process. The worker services themselves stay free of Ray; this module adds metrics by
-subclassing them where their outputs pass through."""
+worker process. The worker services themselves stay free of Ray; this module gives them an
+observer (``kv_transfer.kv_worker.WorkerObserver``) whose hooks they call as things happen."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.contract import WorkerStats
 from pdserve.engine.sequence import PhaseRecord
 from pdserve.kv_transfer.engine_layout import model_identity
+from pdserve.kv_transfer.kv_worker import WorkerObserver
 from pdserve.prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -60,8 +63,27 @@ class _Placed:
 
     _node: dict[str, str]
 
-    def _base_stats(self) -> dict[str, object]:
-        return {**super()._base_stats(), **self._node}
+    def _base_stats(self, **role_fields: object) -> WorkerStats:
+        return replace(super()._base_stats(**role_fields), **self._node)
+
+
+class _MetricsObserver(WorkerObserver):
+    """The worker's hooks, recorded as Ray metrics."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics
+
+    def itl_gaps(self, gaps_s: list[float]) -> None:
+        self.metrics.observe_itl(gaps_s)
+
+    def request_finished(self, phase: PhaseRecord) -> None:
+        self.metrics.observe_finished(phase)
+
+    def transfer_done(self, kv_bytes: int, seconds: float) -> None:
+        self.metrics.observe_transfer(kv_bytes, seconds)
+
+    def transfer_failed(self) -> None:
+        self.metrics.observe_transfer_failure()
 
 
 class MeteredPrefillWorker(_Placed, PrefillWorker):
@@ -69,16 +91,7 @@ class MeteredPrefillWorker(_Placed, PrefillWorker):
         super().__init__(*args, **kwargs)
         self._node = _placement()
         self._publisher = _Publisher(self, "prefill")
-
-    def _resolve(self, job) -> None:  # every request ends here, on the loop thread
-        result = job.result
-        if result is not None:
-            m = self._publisher.metrics
-            if result.kv_bytes:
-                m.observe_transfer(result.kv_bytes, result.kv_transfer_s)
-            elif result.finish_reason == "error" and "transfer" in (result.error or ""):
-                m.observe_transfer_failure()
-        super()._resolve(job)
+        self.observer = _MetricsObserver(self._publisher.metrics)
 
     def shutdown(self) -> None:
         self._publisher.stop()
@@ -90,21 +103,7 @@ class MeteredDecodeWorker(_Placed, DecodeWorker):
         super().__init__(*args, **kwargs)
         self._node = _placement()
         self._publisher = _Publisher(self, "decode")
-
-    def _observe_itl(self, gaps: list[float]) -> None:  # every step's inter-token gaps
-        try:
-            self._publisher.metrics.observe_itl(gaps)
-        except Exception:
-            logger.exception("metrics observe failed")
-
-    def _publish(self, outputs) -> None:  # every step's outputs pass through here
-        for out in outputs:
-            if out.finished and isinstance(out.phase, PhaseRecord):
-                try:
-                    self._publisher.metrics.observe_finished(out.phase)
-                except Exception:
-                    logger.exception("metrics observe failed")
-        super()._publish(outputs)
+        self.observer = _MetricsObserver(self._publisher.metrics)
 
     def shutdown(self) -> None:
         self._publisher.stop()

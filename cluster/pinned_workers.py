@@ -11,6 +11,7 @@ from dataclasses import replace
 from pdserve.cluster.core_allocator import CoreAllocator, place_this_process
 from pdserve.cluster.metered import MeteredDecodeWorker, MeteredPrefillWorker
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.contract import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,8 @@ class _Pinned:
             CoreAllocator().release()
             raise
 
-    def stats(self) -> dict[str, object]:
-        return {**super().stats(), **self._placement.as_stats()}
+    def stats(self) -> WorkerStats:
+        return replace(super().stats(), **self._placement.as_stats())
 
     def shutdown(self) -> None:
         try:

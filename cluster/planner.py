@@ -34,15 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-def _as_role(role: object) -> Role:
-    """Accept ``Role``, its string, or another enum with the same values (``WorkerRole``)."""
-    return Role(getattr(role, "value", role))
+from pdserve.engine.contract import WorkerRole, as_role
 
 
 class ScaleAction(enum.StrEnum):
@@ -53,7 +45,7 @@ class ScaleAction(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkerMetrics:
-    """One worker's latest report, as the registry holds it.
+    """One worker's latest report, as the pool manager reads it from its stats.
 
     Prefill workers give ``predicted_ttft_ms`` or, failing that, ``prefill_tokens_per_s``
     (measured), from which the planner predicts ``queued_prompt_tokens / throughput``.
@@ -62,7 +54,7 @@ class WorkerMetrics:
     """
 
     worker_id: str
-    role: Role
+    role: WorkerRole
     warm: bool
     started_at: float
     queued_prompt_tokens: int = 0
@@ -75,7 +67,7 @@ class WorkerMetrics:
     draining: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "role", _as_role(self.role))
+        object.__setattr__(self, "role", as_role(self.role))
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
         for name in ("queued_prompt_tokens", "running_seqs", "waiting_seqs"):
@@ -92,7 +84,7 @@ class PoolState:
     the actuator's own records (e.g. after a restart); the planner also remembers its own.
     """
 
-    role: Role
+    role: WorkerRole
     replicas: int
     min_replicas: int
     max_replicas: int
@@ -105,7 +97,7 @@ class PoolState:
     last_scale_down_at: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "role", _as_role(self.role))
+        object.__setattr__(self, "role", as_role(self.role))
         if self.replicas < 0 or self.pending < 0:
             raise ValueError("replicas and pending must be >= 0")
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -160,7 +152,7 @@ class PlannerDecision:
     ``utilization`` is None when there was no signal.
     """
 
-    role: Role
+    role: WorkerRole
     action: ScaleAction
     current_replicas: int
     target_replicas: int
@@ -219,7 +211,7 @@ def _decode_signal(
 
 
 def _load_key(worker: WorkerMetrics) -> tuple[float, ...]:
-    if worker.role is Role.PREFILL:
+    if worker.role is WorkerRole.PREFILL:
         return (worker.queued_prompt_tokens, worker.waiting_seqs, worker.running_seqs)
     return (worker.running_seqs + worker.waiting_seqs, worker.kv_usage)
 
@@ -268,7 +260,7 @@ def decide_pool(
                         drain=pick_drain_target(workers, now, policy.warmup_s))
 
     warm = [w for w in workers if not w.draining and is_warm(w, now, policy.warmup_s)]
-    if pool.role is Role.PREFILL:
+    if pool.role is WorkerRole.PREFILL:
         signal = _prefill_signal(warm, policy)
     else:
         signal = _decode_signal(warm, policy, pool.max_num_seqs)
@@ -317,9 +309,9 @@ class Planner:
     """
 
     policy: PlannerPolicy
-    last_scale_up_at: dict[Role, float] = field(default_factory=dict)
-    last_scale_down_at: dict[Role, float] = field(default_factory=dict)
-    low_since: dict[Role, float] = field(default_factory=dict)
+    last_scale_up_at: dict[WorkerRole, float] = field(default_factory=dict)
+    last_scale_down_at: dict[WorkerRole, float] = field(default_factory=dict)
+    low_since: dict[WorkerRole, float] = field(default_factory=dict)
 
     def decide(
         self, now: float, pools: Sequence[PoolState], metrics: Sequence[WorkerMetrics]

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.engine.contract import WorkerStats
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
 from pdserve.cluster.workers import WorkerHandle, start_worker, stop_worker
@@ -50,7 +52,7 @@ class PoolManager:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
         self._join_lock = asyncio.Lock()
-        self._prev_stats: dict[str, tuple[float, dict]] = {}
+        self._prev_stats: dict[str, tuple[float, WorkerStats]] = {}
         self._asked_autoscaler = False
         self._actions: set[asyncio.Task] = set()  # scale-ups and drains the planner started
 
@@ -164,10 +166,8 @@ class PoolManager:
                     logger.info("drain of %s cancelled: it serves again", worker_id)
                     return False
                 stats = await asyncio.wait_for(handle.actor.stats.remote(), 10.0)
-                busy = (stats.get("num_running", 0) + stats.get("num_waiting", 0)
-                        + stats.get("in_flight", 0) + stats.get("reservations", 0))
                 view = self.pool.members.get(worker_id)
-                if busy == 0 and (view is None or view.view.inflight_requests == 0):
+                if not stats.busy and (view is None or view.view.inflight_requests == 0):
                     break
                 await asyncio.sleep(0.2)
         except Exception as exc:
@@ -228,23 +228,23 @@ class PoolManager:
                     continue
                 v = member.view
                 stats = v.stats
-                rate = self._prefill_rate(wid, now_wall, stats) if role == "prefill" else None
+                rate = self._prefill_rate(wid, now_wall, stats) if role == "prefill" and stats else None
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
                     started_at=v.started_at, queued_prompt_tokens=v.inflight_tokens,
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
                     kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
-                    itl_ms=_itl_ms(stats) if role == "decode" else None,
+                    itl_ms=_itl_ms(stats) if role == "decode" and stats else None,
                     draining=wid in record.draining))
         return out
 
-    def _prefill_rate(self, wid: str, now: float, stats: dict) -> float | None:
+    def _prefill_rate(self, wid: str, now: float, stats: WorkerStats) -> float | None:
         prev = self._prev_stats.get(wid)
-        self._prev_stats[wid] = (now, dict(stats))
+        self._prev_stats[wid] = (now, stats)
         if prev is None or now <= prev[0]:
             return None
-        done = stats.get("prompt_tokens_computed", 0) - prev[1].get("prompt_tokens_computed", 0)
+        done = stats.prompt_tokens_computed - prev[1].prompt_tokens_computed
         return done / (now - prev[0]) if done > 0 else None
 
     def pool_states(self) -> list[PoolState]:
@@ -320,10 +320,10 @@ class PoolManager:
                 await self._stop(wid)
 
 
-def _itl_ms(stats: dict) -> float | None:
+def _itl_ms(stats: WorkerStats) -> float | None:
     """A decode worker's recent mean inter-token latency (ms) from its stats; None when unknown."""
-    value = stats.get("itl_ms")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+    value = stats.itl_ms
+    return float(value) if value is not None and math.isfinite(value) and value >= 0 else None
 
 
 def _ray_resources() -> tuple[dict[str, float], dict[str, float]]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ledger import KVLedger, Side
 from pdserve.cluster.ledger_writer import LedgerWriter
@@ -295,10 +296,11 @@ class RouterService:
                 logger.exception("planner pass failed")
 
     # ---------------------------------------------------------------- status
-    def _tokens_per_s(self, wid: str, stats: dict) -> float:
+    def _tokens_per_s(self, wid: str, stats: WorkerStats | None) -> float:
         """Tokens/s a worker produced since the previous status call (generated, or prompt for prefill)."""
-        key = "prompt_tokens_computed" if stats.get("role") == "prefill" else "generated_tokens"
-        now, count = time.monotonic(), float(stats.get(key, 0))
+        if stats is None:
+            return 0.0
+        now, count = time.monotonic(), float(stats.produced_tokens)
         prev = self._rate_prev.get(wid)
         self._rate_prev[wid] = (now, count)
         if prev is None or now <= prev[0]:
@@ -309,17 +311,20 @@ class RouterService:
         workers = []
         for wid, m in self.pool.members.items():
             v = m.view
+            s = v.stats
+            reported = {} if s is None else {
+                "node_ip": s.node_ip, "node_id": s.node_id, "num_threads": s.num_threads, "cores": s.cores,
+                "pinning": s.pinning, "dtype": s.dtype, "kernels": s.kernels, "linear_backend": s.linear_backend,
+                "attention_backend": s.attention_backend, "prefix_hit_rate": s.prefix_hit_rate,
+                "generated_tokens": s.generated_tokens,
+                **({"itl_ms": s.itl_ms, "expired_reservations": s.expired_reservations}
+                   if s.role is WorkerRole.DECODE else {})}
             workers.append({"worker_id": wid, "role": m.role, "alive": v.alive, "draining": v.draining,
-                            "responsive": v.unresponsive_since is None, "node_ip": v.stats.get("node_ip", ""),
-                            "node_id": v.stats.get("node_id", ""),
-                            **{k: v.stats[k] for k in ("num_threads", "cores", "pinning", "dtype", "kernels",
-                                                       "linear_backend", "attention_backend", "itl_ms",
-                                                       "expired_reservations") if k in v.stats},
+                            "responsive": v.unresponsive_since is None, "node_ip": "", "node_id": "",
+                            "prefix_hit_rate": 0.0, "generated_tokens": 0, **reported,
                             "kv_usage": 1.0 - v.num_free_blocks / max(1, v.num_blocks),
                             "running": v.num_running, "waiting": v.num_waiting,
-                            "prefix_hit_rate": v.stats.get("prefix_hit_rate", 0.0),
-                            "generated_tokens": v.stats.get("generated_tokens", 0),
-                            "tokens_per_s": self._tokens_per_s(wid, v.stats),
+                            "tokens_per_s": self._tokens_per_s(wid, s),
                             "inflight_requests": v.inflight_requests})
         return {
             "endpoints": {"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},

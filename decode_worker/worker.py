@@ -22,10 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Priority
+from pdserve.engine.sequence import PhaseRecord, Priority
 from pdserve.kv_transfer import KVReceiver, RecvState
 from pdserve.kv_transfer.kv_worker import KVWorker
 
@@ -34,20 +35,30 @@ logger = logging.getLogger(__name__)
 ITL_WINDOW_S = 10.0  # the window of the inter-token latency a decode worker reports
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingStart:
+    """What ``start`` asked to admit once the request's KV has landed."""
+
+    prompt_token_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    priority: Priority
+
+
 @dataclass(slots=True)
 class _Reservation:
     request_id: str
     blocks: list[int]
     receiver: KVReceiver
     # Set by ``start``: what to admit once the KV has landed.
-    pending_start: tuple | None = None
+    pending_start: _PendingStart | None = None
     ending: bool = False  # aborted/failed: waiting until the blocks are reusable
     # A reservation whose ``start`` never comes (the router died) is dropped after this.
     expires_at: float = 0.0
 
 
 class DecodeWorker(KVWorker):
-    role = "decode"
+    role = WorkerRole.DECODE
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
                  outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0) -> None:
@@ -100,13 +111,13 @@ class DecodeWorker(KVWorker):
         return self._loop.call(do)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-              priority: Priority = Priority.INTERACTIVE, prefill_phase: dict | None = None) -> None:
+              priority: Priority = Priority.INTERACTIVE) -> None:
         """Admit a reserved request once its KV has landed (now, or on a later tick)."""
         def do(_engine: LLMEngine) -> None:
             res = self._reservations.get(request_id)
             if res is None or res.ending:
                 raise KVTransferError(f"request {request_id!r} has no live KV reservation on {self.worker_id}")
-            res.pending_start = (prompt_token_ids, first_token_id, params, priority, prefill_phase or {})
+            res.pending_start = _PendingStart(prompt_token_ids, first_token_id, params, priority)
             self._advance(res)
 
         self._loop.call(do)
@@ -160,12 +171,12 @@ class DecodeWorker(KVWorker):
                 del self._reservations[res.request_id]
             return
         if state is RecvState.LANDED and res.pending_start is not None:
-            prompt, first, params, priority, phase = res.pending_start
+            start = res.pending_start
             del self._reservations[res.request_id]
             res.receiver.close()
             try:
-                self.engine.add_prefilled(res.request_id, prompt, first, params, res.blocks, priority,
-                                          arrival_time=time.monotonic() - float(phase.get("elapsed_s", 0.0)))
+                self.engine.add_prefilled(res.request_id, start.prompt_token_ids, start.first_token_id,
+                                          start.params, res.blocks, start.priority)
             except Exception as exc:
                 self.engine.release_reserved(res.blocks)
                 self._emit_error(res.request_id, f"could not admit the request: {exc}")
@@ -198,6 +209,9 @@ class DecodeWorker(KVWorker):
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         self._record_itl(outputs)
+        for out in outputs:
+            if out.finished and isinstance(out.phase, PhaseRecord):
+                self._notify(self.observer.request_finished, out.phase)
         with self._outbox_cv:
             self._outbox.extend(outputs)
             if len(self._outbox) > self._outbox_limit:
@@ -218,10 +232,7 @@ class DecodeWorker(KVWorker):
         if gaps:
             with self._itl_lock:
                 self._itl_window.extend((now, g) for g in gaps)
-            self._observe_itl(gaps)
-
-    def _observe_itl(self, gaps: list[float]) -> None:
-        """Hook for the metrics (``cluster/metered.py``); the gaps are in seconds."""
+            self._notify(self.observer.itl_gaps, gaps)
 
     def recent_itl_ms(self, window_s: float = ITL_WINDOW_S) -> float | None:
         """Mean inter-token gap of the last ``window_s`` in ms; None when nothing decoded then."""
@@ -234,7 +245,7 @@ class DecodeWorker(KVWorker):
             return 1000.0 * sum(g for _, g in self._itl_window) / len(self._itl_window)
 
     # -------------------------------------------------------------- output
-    def drain(self, timeout_s: float = 0.05) -> list[StepOutput]:
+    def take_outputs(self, timeout_s: float = 0.05) -> list[StepOutput]:
         """Every output since the last call (all requests of all steps), waiting up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._outbox_cv:
@@ -246,10 +257,9 @@ class DecodeWorker(KVWorker):
             out, self._outbox = self._outbox, []
         return out
 
-    def stats(self) -> dict[str, object]:
-        # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
-        return {**self._base_stats(), **self.engine.runner.describe(), "reservations": len(self._reservations),
-                "itl_ms": self.recent_itl_ms(), "expired_reservations": self.expired_reservations}
+    def stats(self) -> WorkerStats:
+        return self._base_stats(reservations=len(self._reservations), itl_ms=self.recent_itl_ms(),
+                                expired_reservations=self.expired_reservations)
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         res = self._reservations.get(request_id)

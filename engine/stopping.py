@@ -8,20 +8,13 @@ stop string is held back until it is known not to be one, so a client never sees
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.output_text import OutputText
+from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _TextState:
-    detok: IncrementalDetokenizer
-    emitted: int = 0           # characters of detok.text already returned
-    stopped_at: int | None = None  # index in detok.text where a stop string begins
 
 
 class StopChecker:
@@ -31,12 +24,12 @@ class StopChecker:
         self._emit_text = emit_text
         self._eos = frozenset(eos_token_ids)
         self._max_model_len = max_model_len
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, OutputText] = {}
 
     def start(self, seq: Sequence) -> None:
         """Track the request's text when it is wanted or its stop strings need it."""
         if self.tokenizer is not None and (self._emit_text or seq.params.stop):
-            self._text[seq.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+            self._text[seq.request_id] = OutputText(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
 
     def discard(self, request_id: str) -> None:
         self._text.pop(request_id, None)
@@ -48,30 +41,9 @@ class StopChecker:
             return ""
         if token_id in self._eos and not seq.params.ignore_eos:
             return ""  # EOS carries no text
-        st.detok.push([token_id])
-        text = st.detok.text
-        if seq.params.stop and st.stopped_at is None:
-            longest = max(len(s) for s in seq.params.stop)
-            window_start = max(0, st.emitted - longest)
-            hits = [i for i in (text.find(s, window_start) for s in seq.params.stop) if i >= 0]
-            if hits:
-                st.stopped_at = min(hits)
-        limit = st.stopped_at if st.stopped_at is not None else len(text) - self._held_back(text, seq)
-        delta = text[st.emitted : limit] if limit > st.emitted else ""
-        st.emitted = max(st.emitted, limit)
-        seq.output_text = text[: st.emitted]
+        delta = st.push(token_id)
+        seq.output_text = st.text
         return delta
-
-    @staticmethod
-    def _held_back(text: str, seq: Sequence) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
-        best = 0
-        for s in seq.params.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
     def check(self, seq: Sequence) -> FinishReason | None:
         """The reason ``seq`` must stop now, or None."""
@@ -81,7 +53,7 @@ class StopChecker:
         if last in seq.params.stop_token_ids:
             return FinishReason.STOP
         st = self._text.get(seq.request_id)
-        if st is not None and st.stopped_at is not None:
+        if st is not None and st.stopped:
             return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.params.max_tokens:
             return FinishReason.LENGTH
@@ -94,9 +66,8 @@ class StopChecker:
         st = self._text.pop(seq.request_id, None)
         if st is None:
             return ""
-        if st.stopped_at is not None or seq.finish_reason is FinishReason.PREFILLED:
+        if st.stopped or seq.finish_reason is FinishReason.PREFILLED:
             return ""
-        st.detok.flush()
-        delta = st.detok.text[st.emitted :]
-        seq.output_text = st.detok.text
+        delta = st.finish()
+        seq.output_text = st.text
         return delta

@@ -1,6 +1,6 @@
 """Bytes exchanged between KV agents: the metadata envelope and the notification messages.
 
-Metadata envelope (``KVAgent.metadata()``), published once per worker (e.g. in the registry)::
+Metadata envelope (``KVAgent.metadata()``), published once per worker (the router hands it to its peers)::
 
     b"PDKVMD" | u16 protocol version | u32 header length | header JSON | NIXL agent metadata
 

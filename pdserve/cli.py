@@ -34,20 +34,15 @@ def _add_get_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=get_model_cmd.run)
 
 
-def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:
-    """Subcommands whose modules register themselves with ``register(subparsers)``."""
+def _add_registered(sub: argparse._SubParsersAction, module: str) -> None:
+    """Subcommands whose modules register themselves with ``register(subparsers)``. They are part
+    of the package: an error importing one is raised, never turned into a missing command."""
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("pdserve"):
-            return
-        raise
-    mod.register(sub)
+    importlib.import_module(module).register(sub)
 
 
-_OPTIONAL = (
+_REGISTERED = (
     "pdserve.bench.cli",
     "pdserve.cluster.cli",
 )
@@ -60,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_get_model(sub)
-    for module in _OPTIONAL:
-        _add_optional(sub, module)
+    for module in _REGISTERED:
+        _add_registered(sub, module)
     return parser
 
 

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
@@ -50,7 +51,7 @@ class _Job:
 
 
 class PrefillWorker(KVWorker):
-    role = "prefill"
+    role = WorkerRole.PREFILL
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
                  overlap_transfer: bool = True) -> None:
@@ -218,7 +219,12 @@ class PrefillWorker(KVWorker):
         self.engine.abort(job.request_id)
         self._fail(job, "error", message)
 
-    def _resolve(self, job: _Job) -> None:
+    def _resolve(self, job: _Job) -> None:  # every request ends here, on the loop thread
+        result = job.result
+        if result is not None and result.kv_bytes:
+            self._notify(self.observer.transfer_done, result.kv_bytes, result.kv_transfer_s)
+        elif result is not None and result.finish_reason == "error" and "transfer" in (result.error or ""):
+            self._notify(self.observer.transfer_failed)
         self._jobs.pop(job.request_id, None)
         self.engine.release(job.request_id)
         job.sender.close()
@@ -242,9 +248,8 @@ class PrefillWorker(KVWorker):
             events, self._events = self._events, []
         return events
 
-    def stats(self) -> dict[str, object]:
-        # the engine's resolved dtype, threads and matmul kernels ride along (pdserve status)
-        return {**self._base_stats(), **self.engine.runner.describe(), "in_flight": len(self._jobs)}
+    def stats(self) -> WorkerStats:
+        return self._base_stats(in_flight=len(self._jobs))
 
     def shutdown(self) -> None:
         self._loop.stop()

@@ -25,8 +25,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pdserve.cluster.ledger import LedgerState
-from pdserve.cluster.ledger_writer import LedgerWriter
 from pdserve.engine.block_manager import chain_hashes
 from pdserve.engine.errors import (
     DeadlineExceededError,
@@ -39,6 +37,7 @@ from pdserve.engine.errors import (
     request_error,
 )
 from pdserve.kv_transfer import TransferParams
+from pdserve.router.ledger_port import LedgerSink, LedgerState
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
 from pdserve.router.policy import RoutingDecision, RoutingPolicy
 from pdserve.router.worker_pool import DEADLINE, LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
@@ -71,7 +70,7 @@ def _repeated_failure(exc: Exception, seen: dict[str, str]) -> EngineStepError |
 
 class DisaggBackend:
     def __init__(self, info: ModelInfo, pool: WorkerPool, *, policy: RoutingPolicy | None = None,
-                 ledger: LedgerWriter | None = None, max_attempts: int = 4, lease_s: float = 120.0,
+                 ledger: LedgerSink | None = None, max_attempts: int = 4, lease_s: float = 120.0,
                  reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0,
                  transfer_timeout_s: float = 30.0, prefill_wait_s: float = 60.0,
                  max_predicted_ttft_s: float | None = None) -> None:
@@ -285,7 +284,7 @@ class DisaggBackend:
             if p is None:
                 local_tokens = len(prompt)
                 d_view.local_prefill_tokens += local_tokens
-                await self._ledger("reserve", attempt, d, [])
+                await self._ledger_reserve(attempt, d, [])
                 await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority))
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
@@ -363,10 +362,10 @@ class DisaggBackend:
         p_view.inflight_tokens += len(prompt)
         try:
             tp = await self._reserve(attempt, d, len(prompt), req.deadline)
-            await self._ledger("reserve", attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
+            await self._ledger_reserve(attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
             if p not in self.pool.members:
                 raise WorkerLost(p, "left the pool before its prefill started")
-            await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p, prefill_blocks=[])
+            await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p)
             renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p))
             try:
                 res = await self._prefill_unless_decode_lost(
@@ -489,15 +488,18 @@ class DisaggBackend:
         # Errors are the writer's (Redis away: resync renews every live attempt when it returns).
         asyncio.get_running_loop().create_task(self.ledger.renew(attempt, self.lease_s))
 
-    async def _ledger(self, op, attempt: str, *args, **kwargs) -> None:
-        """Record a ledger step; a Redis outage must not fail the request: the writer fails fast
-        while Redis is down and replays the step when it is back (``cluster/ledger_writer``)."""
-        if self.ledger is None:
-            return
-        if op == "reserve":
-            await self.ledger.reserve(attempt, args[0], args[1], self.lease_s)
-        else:
-            await self.ledger.transition(attempt, op, **kwargs)
+    async def _ledger_reserve(self, attempt: str, decode_worker_id: str, blocks: list[int]) -> None:
+        """Record the decode worker's reservation. A Redis outage must not fail the request: the
+        writer fails fast while Redis is down and replays the step when it is back."""
+        if self.ledger is not None:
+            await self.ledger.reserve(attempt, decode_worker_id, blocks, self.lease_s)
+
+    async def _ledger(self, to: LedgerState, attempt: str, *, prefill_worker_id: str | None = None,
+                      error: str | None = None, lease_s: float | None = None) -> None:
+        """Record the attempt's move to ``to`` (see ``_ledger_reserve`` for outages)."""
+        if self.ledger is not None:
+            await self.ledger.transition(attempt, to, prefill_worker_id=prefill_worker_id, error=error,
+                                         lease_s=lease_s)
 
     def _finish(self, fin: Finished, req: GenerateRequest, emitted: list[int], started: float,
                 first_token_at: float | None, acc: dict) -> Finished:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pdserve.engine.contract import WorkerStats
+
 
 @dataclass(slots=True)
 class WorkerView:
@@ -37,7 +39,7 @@ class WorkerView:
     # prompt tokens per second while prefilling, measured from the worker's stats (None: not yet)
     prefill_tokens_per_s: float | None = None
     started_at: float = 0.0                              # wall clock, from the worker
-    stats: dict = field(default_factory=dict)            # the worker's latest raw stats
+    stats: WorkerStats | None = None                     # the worker's latest report
 
     unresponsive_since: float | None = None              # monotonic time its polls began to fail
 

@@ -30,7 +30,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta, complete_phase
-from pdserve.router.detokenizer import OutputText
+from pdserve.engine.output_text import OutputText
 from pdserve.router.errors import DuplicateRequestIdError
 from pdserve.router.metrics_text import RouterMetrics
 from pdserve.router.validation import (

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.contract import WorkerStats
 from pdserve.router.policy import WorkerView, apply_kv_events
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class PoolMember:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.25, drain_timeout_s: float = 0.5, *,
+    def __init__(self, stats_interval_s: float = 0.25, outputs_wait_s: float = 0.5, *,
                  stats_timeout_s: float = 5.0, dead_after_s: float = 30.0) -> None:
         """A worker whose stats poll takes longer than ``stats_timeout_s`` gets no new work; one
         silent for ``dead_after_s`` is killed (a hung process must not keep its blocks, its
@@ -64,7 +65,7 @@ class WorkerPool:
         self._polls: dict[str, asyncio.Task] = {}         # worker id -> its stats poll in flight
         self._monitor: asyncio.Task | None = None
         self._stats_interval_s = stats_interval_s
-        self._drain_timeout_s = drain_timeout_s
+        self._outputs_wait_s = outputs_wait_s
         self.stats_timeout_s = stats_timeout_s
         self.dead_after_s = dead_after_s
         self.on_worker_lost: list[Callable[[str], None]] = []
@@ -146,7 +147,7 @@ class WorkerPool:
         while worker_id in self.members:
             member = self.members[worker_id]
             try:
-                outputs = await member.actor.drain.remote(self._drain_timeout_s)
+                outputs = await member.actor.take_outputs.remote(self._outputs_wait_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -216,31 +217,31 @@ class WorkerPool:
                 logger.warning("could not kill %s: %s", wid, exc)
             self.mark_dead(wid, f"unresponsive for {silent:.0f} s, killed")
 
-    def _update(self, member: PoolMember, stats: dict) -> None:
+    def _update(self, member: PoolMember, stats: WorkerStats) -> None:
         if member.view.unresponsive_since is not None:
             logger.warning("worker %s answers again after %.1f s", member.worker_id,
                            time.monotonic() - member.view.unresponsive_since)
             member.view.unresponsive_since = None
         v = member.view
-        v.num_blocks = int(stats.get("num_blocks", v.num_blocks))
-        v.num_free_blocks = int(stats.get("num_free_blocks", v.num_free_blocks))
-        v.num_running = int(stats.get("num_running", 0))
-        v.num_waiting = int(stats.get("num_waiting", 0))
-        v.started_at = float(stats.get("started_at", v.started_at))
+        v.num_blocks = stats.num_blocks
+        v.num_free_blocks = stats.num_free_blocks
+        v.num_running = stats.num_running
+        v.num_waiting = stats.num_waiting
+        v.started_at = stats.started_at
         v.prefill_tokens_per_s = measured_prefill_rate(v.prefill_tokens_per_s, v.stats, stats)
         v.stats = stats
 
 
-def measured_prefill_rate(rate: float | None, prev: dict, stats: dict, weight: float = 0.5) -> float | None:
+def measured_prefill_rate(rate: float | None, prev: WorkerStats | None, stats: WorkerStats,
+                          weight: float = 0.5) -> float | None:
     """The prompt tokens/s a worker prefills at while busy: what its ``prompt_tokens_computed``
     gained over what its ``prefill_compute_s`` gained since the previous stats, averaged with the
     previous rate (``weight`` on the new sample). Unchanged when it prefilled nothing since (an
     idle worker keeps its rate) or restarted (counters went back)."""
-    try:
-        tokens = float(stats["prompt_tokens_computed"]) - float(prev["prompt_tokens_computed"])
-        seconds = float(stats["prefill_compute_s"]) - float(prev["prefill_compute_s"])
-    except (KeyError, TypeError, ValueError):
+    if prev is None:
         return rate
+    tokens = stats.prompt_tokens_computed - prev.prompt_tokens_computed
+    seconds = stats.prefill_compute_s - prev.prefill_compute_s
     if tokens <= 0 or seconds <= 0:
         return rate
     sample = tokens / seconds

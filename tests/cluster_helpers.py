@@ -191,7 +191,8 @@ class ClusterHarness:
     def kill(self, member: PoolMember) -> None:
         """Crash the worker's process now (SIGKILL). ``ray.kill`` is asynchronous: on a busy
         host it took seconds to act, time in which a short request could finish untouched."""
-        pid = member.view.stats.get("pid") or ray.get(member.actor.stats.remote(), timeout=CALL_TIMEOUT_S)["pid"]
+        stats = member.view.stats or ray.get(member.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+        pid = stats.pid
         os.kill(int(pid), signal.SIGKILL)
 
     # --------------------------------------------------------------- leaks
@@ -204,7 +205,7 @@ class ClusterHarness:
     def generated_tokens(self) -> int:
         """Tokens the live decode workers have sampled so far."""
         stats = ray.get([m.actor.stats.remote() for m in self.members("decode")], timeout=CALL_TIMEOUT_S)
-        return sum(int(s.get("generated_tokens", 0)) for s in stats)
+        return sum(s.generated_tokens for s in stats)
 
     def ledger_active(self) -> list:
         return self.service.ledger.active()

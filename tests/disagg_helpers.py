@@ -6,7 +6,7 @@ It plays the router's part of one handoff, with a bound on every wait:
 2. ``P.prefill`` the prompt into those blocks (several at once through Ray);
 3. ``D.start`` each request as soon as its prefill returns "prefilled" (a request that ended at
    its first token, or failed, is aborted on D instead, as a router would);
-4. ``D.drain`` until every started request has its final output.
+4. ``D.take_outputs`` until every started request has its final output.
 
 ``DisaggPool`` starts one prefill and one decode worker, wires their NIXL agents, and swaps in
 a spare for a worker that a test killed. ``wait_nothing_leaked`` is the end of every lifecycle
@@ -71,7 +71,7 @@ class DisaggOutcome:
         return self.prefill.finish_reason if self.prefill is not None else None
 
 
-_LEAK_KEYS = ("num_running", "num_waiting", "in_flight", "reservations", "kv_open_transfers", "kv_mailboxes")
+_LEAK_FIELDS = ("num_running", "num_waiting", "in_flight", "reservations", "kv_open_transfers", "kv_mailboxes")
 
 
 def wait_nothing_leaked(handles: list[WorkerHandle], timeout_s: float = 15.0) -> None:
@@ -86,7 +86,8 @@ def wait_nothing_leaked(handles: list[WorkerHandle], timeout_s: float = 15.0) ->
         used = ray.get([h.actor.blocks_in_use.remote() for h in handles], timeout=CALL_TIMEOUT_S)
         last = {}
         for h, st, n in zip(handles, stats, used):
-            held = {k: st[k] for k in _LEAK_KEYS if st.get(k)}
+            held = {k: getattr(st, k) for k in _LEAK_FIELDS if getattr(st, k)}
+            assert bool(held) == st.holds_anything, (held, st)
             if n:
                 held["blocks_in_use"] = n
             if held:
@@ -153,7 +154,7 @@ def _drain_once(decode: WorkerHandle, outcomes: dict[str, DisaggOutcome], wait_s
     import ray
 
     foreign: list[StepOutput] = []
-    for out in ray.get(decode.actor.drain.remote(wait_s), timeout=CALL_TIMEOUT_S):
+    for out in ray.get(decode.actor.take_outputs.remote(wait_s), timeout=CALL_TIMEOUT_S):
         o = outcomes.get(out.request_id)
         if o is None:
             foreign.append(out)

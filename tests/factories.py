@@ -148,3 +148,14 @@ class UncheckedSamplingParams(SamplingParams):
 
 def make_unchecked_params(**fields: object) -> SamplingParams:
     return UncheckedSamplingParams(**fields)
+
+
+def worker_stats(worker_id: str = "w0", role: str = "prefill", **fields: object):
+    """A ``WorkerStats`` of an idle worker, with ``fields`` replaced (unit tests of its readers)."""
+    from pdserve.engine.contract import WorkerStats
+
+    base = dict(worker_id=worker_id, role=role, num_running=0, num_waiting=0, num_free_blocks=100, num_blocks=100,
+                kv_usage=0.0, prefix_hit_rate=0.0, generated_tokens=0, prompt_tokens_computed=0,
+                prefill_compute_s=0.0, prefill_budget_tokens=None, max_prefill_tokens_with_decodes=0,
+                kv_open_transfers=0, kv_mailboxes=0, started_at=0.0, niceness=0, pid=1, transfer_timeout_s=None)
+    return WorkerStats(**{**base, **fields})

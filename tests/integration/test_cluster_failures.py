@@ -178,7 +178,7 @@ def test_a_briefly_frozen_worker_gets_no_new_requests_then_serves_again(cluster:
     cluster.ensure_replicas("prefill", 1)
     cluster.ensure_replicas("decode", 2)
     frozen, other = cluster.members("decode")[:2]
-    pid = frozen.view.stats["pid"]
+    pid = frozen.view.stats.pid
     with liveness(cluster, stats_timeout_s=1.0, dead_after_s=60.0):
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -200,7 +200,7 @@ def test_a_prompt_waits_in_the_router_while_no_prefill_worker_answers(cluster: C
     cluster.ensure_replicas("prefill", 2)
     cluster.ensure_replicas("decode", 3)
     frozen = cluster.members("prefill")
-    pids = [m.view.stats["pid"] for m in frozen]
+    pids = [m.view.stats.pid for m in frozen]
     backend = cluster.service.backend
     waits = backend.prefill_waits
     with liveness(cluster, stats_timeout_s=1.0, dead_after_s=60.0):
@@ -229,7 +229,7 @@ def test_the_wait_for_a_prefill_worker_ends_with_503_after_prefill_wait_s(cluste
     cluster.ensure_replicas("prefill", 2)
     cluster.ensure_replicas("decode", 3)
     frozen = cluster.members("prefill")
-    pids = [m.view.stats["pid"] for m in frozen]
+    pids = [m.view.stats.pid for m in frozen]
     backend = cluster.service.backend
     saved, backend.prefill_wait_s = backend.prefill_wait_s, 1.0
     try:
@@ -263,7 +263,7 @@ def test_a_hung_decode_worker_is_killed_and_its_stream_migrated(cluster: Cluster
         if n == KILL_AFTER:
             victim = cluster.busy_member("decode")
             assert victim is not None and len(tokens) < MID
-            frozen.append((victim, victim.view.stats["pid"]))
+            frozen.append((victim, victim.view.stats.pid))
             os.kill(frozen[0][1], signal.SIGSTOP)  # alive to the OS and to Ray, but silent
 
     migrations = cluster.service.backend.migrations

@@ -79,10 +79,10 @@ def test_workers_run_at_normal_cpu_priority(cluster: ClusterHarness) -> None:
     """Ray would start them at niceness 15, behind the router and every other process."""
     stats = ray.get([m.actor.stats.remote() for m in cluster.members("prefill") + cluster.members("decode")],
                     timeout=30)
-    assert [st["niceness"] for st in stats] == [0] * 3
+    assert [st.niceness for st in stats] == [0] * 3
     # Both pools got the configured KV transfer timeout.
     wanted = cluster.config.router.disaggregation.kv_transfer_timeout_s
-    assert [st["transfer_timeout_s"] for st in stats] == [wanted] * 3
+    assert [st.transfer_timeout_s for st in stats] == [wanted] * 3
 
 
 def check_phase(phase: dict, prompt_tokens: int, output_tokens: int) -> None:

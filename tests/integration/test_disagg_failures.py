@@ -70,7 +70,7 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
 def prompt_tokens_computed(handle) -> int:
     import ray
 
-    return ray.get(handle.actor.stats.remote(), timeout=CALL_TIMEOUT_S)["prompt_tokens_computed"]
+    return ray.get(handle.actor.stats.remote(), timeout=CALL_TIMEOUT_S).prompt_tokens_computed
 
 
 def wait_prefilling(handle, baseline: int, prompt_len: int) -> None:
@@ -101,7 +101,7 @@ def test_transfer_timeout_frees_blocks_and_a_later_start_fails(pool, spec):
     never_started = new_request_id("timeout-idle")
     started = new_request_id("timeout-started")
     prompt = make_prompt(spec, 40, "timeout")
-    expired = ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S)["expired_reservations"]
+    expired = ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S).expired_reservations
     ray.get([D.reserve.remote(rid, len(prompt)) for rid in (never_started, started)], timeout=CALL_TIMEOUT_S)
     assert ray.get(D.blocks_in_use.remote(), timeout=CALL_TIMEOUT_S) == 2 * 3
 
@@ -116,7 +116,7 @@ def test_transfer_timeout_frees_blocks_and_a_later_start_fails(pool, spec):
     with pytest.raises(KVTransferError, match="no live KV reservation"):
         ray.get(D.start.remote(never_started, prompt, 7, greedy()), timeout=CALL_TIMEOUT_S)
     # both ended for want of their KV: the worker counts them (stats, pdserve status)
-    assert ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S)["expired_reservations"] == expired + 2
+    assert ray.get(D.stats.remote(), timeout=CALL_TIMEOUT_S).expired_reservations == expired + 2
 
 
 def test_abort_after_reserve(pool, spec):
@@ -183,7 +183,7 @@ def test_abort_while_decoding(pool, spec):
     outcome = DisaggOutcome(rid, prefill=res, token_ids=[res.first_token_id], started=True)
 
     def decoding() -> bool:
-        for out in ray.get(D.drain.remote(0.1), timeout=CALL_TIMEOUT_S):
+        for out in ray.get(D.take_outputs.remote(0.1), timeout=CALL_TIMEOUT_S):
             if out.request_id == rid:
                 outcome.token_ids.extend(out.new_token_ids)
                 outcome.final = out if out.finished else None

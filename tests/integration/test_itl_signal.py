@@ -47,13 +47,13 @@ def test_itl_reaches_worker_stats_planner_and_router_metrics(cluster: ClusterHar
     with ThreadPoolExecutor(STREAMS) as pool:
         list(pool.map(lambda i: _stream(cluster, i), range(STREAMS)))
     # the worker's own report (polled by the router every 0.25 s)
-    wait_until(lambda: decode.view.stats.get("itl_ms") is not None, 10.0, "the decode worker's itl_ms in its stats")
-    itl = decode.view.stats["itl_ms"]
+    wait_until(lambda: decode.view.stats is not None and decode.view.stats.itl_ms is not None, 10.0, "the decode worker's itl_ms in its stats")
+    itl = decode.view.stats.itl_ms
     assert 0.0 < itl < 5000.0, itl
     # slo.itl_ms also reaches the decode worker's engine, as its budget of prompt tokens per step
     # while streams decode (a disaggregated cluster); the prefill worker has none.
-    assert isinstance(decode.view.stats.get("prefill_budget_tokens"), int)
-    assert cluster.members("prefill")[0].view.stats.get("prefill_budget_tokens") is None
+    assert isinstance(decode.view.stats.prefill_budget_tokens, int)
+    assert cluster.members("prefill")[0].view.stats.prefill_budget_tokens is None
     # what the planner is given
     metrics = cluster.service.manager.metrics(time.time())
     by_role = {m.role.value if hasattr(m.role, "value") else m.role: m for m in metrics}

@@ -60,7 +60,8 @@ class Recorder:
         from dataclasses import asdict
 
         from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RouterMetrics
-        from pdserve.cluster.planner import PlannerDecision, Role, ScaleAction
+        from pdserve.cluster.planner import PlannerDecision, ScaleAction
+        from pdserve.engine.contract import WorkerRole
         from pdserve.engine.llm_engine import EngineStats
         from pdserve.engine.sequence import PhaseRecord
 
@@ -94,8 +95,8 @@ class Recorder:
         router.set_in_flight(7, 1)
 
         planner = PlannerMetrics()
-        decisions = [PlannerDecision(Role.PREFILL, ScaleAction.SCALE_UP, 1, 2, "busy", 0.9),
-                     PlannerDecision(Role.DECODE, ScaleAction.HOLD, 2, 2, "fine", 0.5)]
+        decisions = [PlannerDecision(WorkerRole.PREFILL, ScaleAction.SCALE_UP, 1, 2, "busy", 0.9),
+                     PlannerDecision(WorkerRole.DECODE, ScaleAction.HOLD, 2, 2, "fine", 0.5)]
         planner.observe(decisions, replicas={"prefill": 1})
         planner.observe(decisions, replicas={"prefill": 1})
 

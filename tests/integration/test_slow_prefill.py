@@ -58,7 +58,7 @@ def test_queued_prefills_outlive_the_transfer_timeout_without_a_retry(cluster: C
     with concurrent.futures.ThreadPoolExecutor(PROMPTS) as pool:
         bodies = list(pool.map(lambda p: _complete(cluster, p), prompts))
     assert (backend.retries, backend.migrations) == before, "a queued prefill was retried or migrated"
-    assert ray.get(cluster.members("decode")[0].actor.stats.remote(), timeout=30)["expired_reservations"] == 0
+    assert ray.get(cluster.members("decode")[0].actor.stats.remote(), timeout=30).expired_reservations == 0
     queued = sorted(b["pdserve"]["phase"]["queue_s"] for b in bodies)
     # the scenario is real: some prompts waited in the prefill queue longer than the timeout
     assert queued[-1] > TRANSFER_TIMEOUT_S, queued  # the decode side reserved before each wait began

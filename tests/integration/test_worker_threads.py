@@ -21,9 +21,10 @@ CALL_TIMEOUT_S = 60.0
 
 
 def stats(handle) -> dict:
+    """The worker's report as plain values (``WorkerStats.to_dict``)."""
     import ray
 
-    return ray.get(handle.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+    return ray.get(handle.actor.stats.remote(), timeout=CALL_TIMEOUT_S).to_dict()
 
 
 def test_workers_get_threads_of_their_cpus_and_distinct_cores(ray_session, tiny_model, tmp_path):

@@ -66,7 +66,7 @@ async def _serve(config, redis_url: str, prompts: list[str], result: dict) -> No
             for role in ("prefill", "decode")}
         await service.pool.refresh()
         result["reported_nodes"] = {  # what each worker says of itself, as `pdserve status` shows it
-            role: [service.pool.members[wid].view.stats.get("node_id") for wid in service.manager.pools[role].handles]
+            role: [(service.pool.members[wid].view.stats or None) and service.pool.members[wid].view.stats.node_id for wid in service.manager.pools[role].handles]
             for role in ("prefill", "decode")}
         name = service.backend.model_info().name
 

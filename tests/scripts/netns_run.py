@@ -69,7 +69,7 @@ def main() -> int:
         h = ClusterHarness(config, redis.url)
         h.start()
         try:
-            result["worker_ips"] = {role: sorted({str(m.view.stats.get("node_ip")) for m in h.members(role)})
+            result["worker_ips"] = {role: sorted({str(m.view.stats.node_ip if m.view.stats else None) for m in h.members(role)})
                                     for role in ("prefill", "decode")}
             client = h.openai(timeout_s=120.0)
             before = read_link_bytes(spec["prefill_ns"])

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.cluster.planner import (Planner, PlannerPolicy, PoolState, Role, ScaleAction,
+from pdserve.engine.contract import WorkerRole
+from pdserve.cluster.planner import (Planner, PlannerPolicy, PoolState, ScaleAction,
                                      WorkerMetrics, decide_pool, pick_drain_target)
 
 NOW = 10_000.0
@@ -15,102 +16,102 @@ POLICY = PlannerPolicy(ttft_slo_ms=1000.0, itl_slo_ms=100.0, scale_up_utilizatio
                        scale_down_cooldown_s=120.0, warmup_s=20.0, max_step=2)
 
 
-def make_worker(worker_id: str, role: Role = Role.DECODE, *, age_s: float = 600.0, warm: bool = True,
+def make_worker(worker_id: str, role: WorkerRole = WorkerRole.DECODE, *, age_s: float = 600.0, warm: bool = True,
                 **load: float) -> WorkerMetrics:
     return WorkerMetrics(worker_id=worker_id, role=role, warm=warm, started_at=NOW - age_s, **load)
 
 
-def make_pool(role: Role = Role.DECODE, replicas: int = 2, lo: int = 1, hi: int = 8, **kw: object) -> PoolState:
+def make_pool(role: WorkerRole = WorkerRole.DECODE, replicas: int = 2, lo: int = 1, hi: int = 8, **kw: object) -> PoolState:
     return PoolState(role=role, replicas=replicas, min_replicas=lo, max_replicas=hi, max_num_seqs=10, **kw)
 
 
 def prefill(worker_id: str, **kw: float) -> WorkerMetrics:
-    return make_worker(worker_id, Role.PREFILL, **kw)
+    return make_worker(worker_id, WorkerRole.PREFILL, **kw)
 
 
 # (name, pool, workers, expected action, expected target)
 CASES = [
     ("prefill TTFT breach scales up",
-     make_pool(Role.PREFILL, 2), [prefill("p0", predicted_ttft_ms=1200), prefill("p1", predicted_ttft_ms=1000)],
+     make_pool(WorkerRole.PREFILL, 2), [prefill("p0", predicted_ttft_ms=1200), prefill("p1", predicted_ttft_ms=1000)],
      ScaleAction.SCALE_UP, 3),  # mean ratio 1.1 x 2 warm = 2.2 replicas at target; ceil(2.2 / 0.8) = 3
     ("prefill TTFT predicted from queue and throughput",
-     make_pool(Role.PREFILL, 1), [prefill("p0", queued_prompt_tokens=9000, prefill_tokens_per_s=10000)],
+     make_pool(WorkerRole.PREFILL, 1), [prefill("p0", queued_prompt_tokens=9000, prefill_tokens_per_s=10000)],
      ScaleAction.SCALE_UP, 2),
     ("prefill idle queue predicts zero even without throughput",
-     make_pool(Role.PREFILL, 2), [prefill("p0"), prefill("p1")],
+     make_pool(WorkerRole.PREFILL, 2), [prefill("p0"), prefill("p1")],
      ScaleAction.SCALE_DOWN, 1),
     ("prefill queue without measured throughput gives no signal",
-     make_pool(Role.PREFILL, 1), [prefill("p0", queued_prompt_tokens=500)],
+     make_pool(WorkerRole.PREFILL, 1), [prefill("p0", queued_prompt_tokens=500)],
      ScaleAction.HOLD, 1),
     ("decode KV pressure scales up",
-     make_pool(Role.DECODE, 2), [make_worker("d0", kv_usage=0.95), make_worker("d1", kv_usage=0.85)],
+     make_pool(WorkerRole.DECODE, 2), [make_worker("d0", kv_usage=0.95), make_worker("d1", kv_usage=0.85)],
      ScaleAction.SCALE_UP, 3),
     ("decode sequences over capacity scale up",
-     make_pool(Role.DECODE, 1), [make_worker("d0", running_seqs=10, waiting_seqs=5)],
+     make_pool(WorkerRole.DECODE, 1), [make_worker("d0", running_seqs=10, waiting_seqs=5)],
      ScaleAction.SCALE_UP, 2),
     ("decode ITL breach scales up",
-     make_pool(Role.DECODE, 1), [make_worker("d0", itl_ms=150, running_seqs=2)],
+     make_pool(WorkerRole.DECODE, 1), [make_worker("d0", itl_ms=150, running_seqs=2)],
      ScaleAction.SCALE_UP, 2),
     ("inside the hysteresis band holds",
-     make_pool(Role.DECODE, 2), [make_worker("d0", kv_usage=0.6), make_worker("d1", kv_usage=0.7)],
+     make_pool(WorkerRole.DECODE, 2), [make_worker("d0", kv_usage=0.6), make_worker("d1", kv_usage=0.7)],
      ScaleAction.HOLD, 2),
     ("just under the scale-up threshold holds",
-     make_pool(Role.DECODE, 2), [make_worker("d0", kv_usage=0.8), make_worker("d1", kv_usage=0.8)],
+     make_pool(WorkerRole.DECODE, 2), [make_worker("d0", kv_usage=0.8), make_worker("d1", kv_usage=0.8)],
      ScaleAction.HOLD, 2),
     ("low load scales down by one",
-     make_pool(Role.DECODE, 3), [make_worker(f"d{i}", kv_usage=0.1) for i in range(3)],
+     make_pool(WorkerRole.DECODE, 3), [make_worker(f"d{i}", kv_usage=0.1) for i in range(3)],
      ScaleAction.SCALE_DOWN, 2),
     ("low load scales down when one fewer stays under the scale-up threshold",
-     make_pool(Role.DECODE, 2), [make_worker("d0", kv_usage=0.39), make_worker("d1", kv_usage=0.39)],
+     make_pool(WorkerRole.DECODE, 2), [make_worker("d0", kv_usage=0.39), make_worker("d1", kv_usage=0.39)],
      ScaleAction.SCALE_DOWN, 1),  # 0.78 on one replica <= 0.8
     ("at max_replicas holds",
-     make_pool(Role.DECODE, 2, hi=2), [make_worker("d0", kv_usage=0.99), make_worker("d1", kv_usage=0.99)],
+     make_pool(WorkerRole.DECODE, 2, hi=2), [make_worker("d0", kv_usage=0.99), make_worker("d1", kv_usage=0.99)],
      ScaleAction.HOLD, 2),
     ("max_step caps a big jump",
-     make_pool(Role.DECODE, 1, hi=10), [make_worker("d0", itl_ms=800, running_seqs=5)],
+     make_pool(WorkerRole.DECODE, 1, hi=10), [make_worker("d0", itl_ms=800, running_seqs=5)],
      ScaleAction.SCALE_UP, 3),
     ("max_replicas caps the jump",
-     make_pool(Role.DECODE, 2, hi=3), [make_worker("d0", itl_ms=300), make_worker("d1", itl_ms=300)],
+     make_pool(WorkerRole.DECODE, 2, hi=3), [make_worker("d0", itl_ms=300), make_worker("d1", itl_ms=300)],
      ScaleAction.SCALE_UP, 3),
     ("below min_replicas repairs at once",
-     make_pool(Role.DECODE, 0, lo=2), [],
+     make_pool(WorkerRole.DECODE, 0, lo=2), [],
      ScaleAction.SCALE_UP, 2),
     ("above max_replicas drains one",
-     make_pool(Role.DECODE, 4, hi=2), [make_worker(f"d{i}", kv_usage=0.9) for i in range(4)],
+     make_pool(WorkerRole.DECODE, 4, hi=2), [make_worker(f"d{i}", kv_usage=0.9) for i in range(4)],
      ScaleAction.SCALE_DOWN, 3),
     ("never below min_replicas",
-     make_pool(Role.DECODE, 1, lo=1), [make_worker("d0")],
+     make_pool(WorkerRole.DECODE, 1, lo=1), [make_worker("d0")],
      ScaleAction.HOLD, 1),
     ("prefill pool may scale to zero when idle",
-     make_pool(Role.PREFILL, 1, lo=0), [prefill("p0")],
+     make_pool(WorkerRole.PREFILL, 1, lo=0), [prefill("p0")],
      ScaleAction.SCALE_DOWN, 0),
     ("empty metrics hold",
-     make_pool(Role.DECODE, 2), [],
+     make_pool(WorkerRole.DECODE, 2), [],
      ScaleAction.HOLD, 2),
     ("other roles' metrics are ignored",
-     make_pool(Role.DECODE, 2), [prefill("p0", predicted_ttft_ms=99_000)],
+     make_pool(WorkerRole.DECODE, 2), [prefill("p0", predicted_ttft_ms=99_000)],
      ScaleAction.HOLD, 2),
     ("warming workers are not signals",
-     make_pool(Role.DECODE, 1), [make_worker("d0", warm=False, kv_usage=1.0)],
+     make_pool(WorkerRole.DECODE, 1), [make_worker("d0", warm=False, kv_usage=1.0)],
      ScaleAction.HOLD, 1),
     ("workers younger than warmup_s are not signals",
-     make_pool(Role.DECODE, 1), [make_worker("d0", age_s=5, kv_usage=1.0)],
+     make_pool(WorkerRole.DECODE, 1), [make_worker("d0", age_s=5, kv_usage=1.0)],
      ScaleAction.HOLD, 1),
     ("warming workers count as capacity",
-     make_pool(Role.DECODE, 2), [make_worker("d0", kv_usage=1.0), make_worker("d1", warm=False)],
+     make_pool(WorkerRole.DECODE, 2), [make_worker("d0", kv_usage=1.0), make_worker("d1", warm=False)],
      ScaleAction.HOLD, 2),
     ("pending replicas count as capacity",
-     make_pool(Role.DECODE, 1, pending=1), [make_worker("d0", kv_usage=1.0)],
+     make_pool(WorkerRole.DECODE, 1, pending=1), [make_worker("d0", kv_usage=1.0)],
      ScaleAction.HOLD, 2),
     ("no scale-down while a drain is in progress",
-     make_pool(Role.DECODE, 3), [make_worker("d0", kv_usage=0.1), make_worker("d1", kv_usage=0.1),
+     make_pool(WorkerRole.DECODE, 3), [make_worker("d0", kv_usage=0.1), make_worker("d1", kv_usage=0.1),
                                  make_worker("d2", kv_usage=0.1), make_worker("d3", draining=True)],
      ScaleAction.HOLD, 3),
     ("scale-up still allowed while a drain is in progress",
-     make_pool(Role.DECODE, 1), [make_worker("d0", kv_usage=0.95), make_worker("d1", draining=True)],
+     make_pool(WorkerRole.DECODE, 1), [make_worker("d0", kv_usage=0.95), make_worker("d1", draining=True)],
      ScaleAction.SCALE_UP, 2),
     ("no scale-down while replicas are pending",
-     make_pool(Role.DECODE, 3, pending=1), [make_worker(f"d{i}") for i in range(3)],
+     make_pool(WorkerRole.DECODE, 3, pending=1), [make_worker(f"d{i}") for i in range(3)],
      ScaleAction.HOLD, 4),
 ]
 
@@ -132,7 +133,7 @@ def test_one_fewer_replica_that_would_rebreach_holds() -> None:
     # Utilisation 0.3 is below both policies' scale-down threshold; on one replica it becomes 0.6,
     # over a 0.5 scale-up threshold (would flap) but under 0.8 (safe).
     tight = dataclasses.replace(POLICY, scale_up_utilization=0.5, scale_down_utilization=0.35)
-    pool = make_pool(Role.DECODE, 2)
+    pool = make_pool(WorkerRole.DECODE, 2)
     workers = [make_worker("d0", kv_usage=0.3), make_worker("d1", kv_usage=0.3)]
     held = decide_pool(NOW, pool, workers, tight)
     assert held.action is ScaleAction.HOLD
@@ -150,7 +151,7 @@ def test_drain_target_is_least_loaded_warm_worker() -> None:
     ]
     assert pick_drain_target(workers, NOW, POLICY.warmup_s) == "lighter-kv"
     not_draining = [w for w in workers if not w.draining]
-    decision = decide_pool(NOW, make_pool(Role.DECODE, 4), not_draining, POLICY)
+    decision = decide_pool(NOW, make_pool(WorkerRole.DECODE, 4), not_draining, POLICY)
     assert decision.action is ScaleAction.SCALE_DOWN
     assert decision.drain_worker_id == "lighter-kv"
 
@@ -164,12 +165,12 @@ def test_prefill_drain_target_uses_queued_tokens_and_ties_break_by_id() -> None:
 
 def test_scale_up_cooldown_respected_then_released() -> None:
     planner = Planner(POLICY)
-    pool = make_pool(Role.DECODE, 1, hi=8)
+    pool = make_pool(WorkerRole.DECODE, 1, hi=8)
     hot = [make_worker("d0", kv_usage=0.95)]
     first = planner.decide(NOW, [pool], hot)[0]
     assert first.action is ScaleAction.SCALE_UP
     # The new replica came up but the signal is still hot: cooldown holds it.
-    pool = make_pool(Role.DECODE, 2, hi=8)
+    pool = make_pool(WorkerRole.DECODE, 2, hi=8)
     hot = [make_worker("d0", kv_usage=0.95), make_worker("d1", kv_usage=0.95)]
     during = planner.decide(NOW + POLICY.scale_up_cooldown_s - 1, [pool], hot)[0]
     assert during.action is ScaleAction.HOLD
@@ -181,20 +182,20 @@ def test_scale_up_cooldown_respected_then_released() -> None:
 def test_scale_down_waits_for_cooldown_after_any_action() -> None:
     planner = Planner(POLICY)
     idle = [make_worker(f"d{i}") for i in range(3)]
-    pool = make_pool(Role.DECODE, 3)
-    planner.last_scale_up_at[Role.DECODE] = NOW - 10
+    pool = make_pool(WorkerRole.DECODE, 3)
+    planner.last_scale_up_at[WorkerRole.DECODE] = NOW - 10
     held = planner.decide(NOW, [pool], idle)[0]
     assert held.action is ScaleAction.HOLD and "scale-down cooldown" in held.reason
     down = planner.decide(NOW - 10 + POLICY.scale_down_cooldown_s, [pool], idle)[0]
     assert down.action is ScaleAction.SCALE_DOWN
     # Right after a scale-down, the next one waits again (one drain at a time, then cooldown).
-    pool = make_pool(Role.DECODE, 2)
+    pool = make_pool(WorkerRole.DECODE, 2)
     again = planner.decide(NOW - 10 + POLICY.scale_down_cooldown_s + 1, [pool], idle[:2])[0]
     assert again.action is ScaleAction.HOLD
 
 
 def test_actuator_recorded_times_count_as_cooldown() -> None:
-    pool = make_pool(Role.DECODE, 1, last_scale_up_at=NOW - 1)
+    pool = make_pool(WorkerRole.DECODE, 1, last_scale_up_at=NOW - 1)
     decision = decide_pool(NOW, pool, [make_worker("d0", kv_usage=0.99)], POLICY)
     assert decision.action is ScaleAction.HOLD and "cooldown" in decision.reason
 
@@ -202,7 +203,7 @@ def test_actuator_recorded_times_count_as_cooldown() -> None:
 def test_no_flapping_over_a_load_sweep() -> None:
     """Load oscillating inside the band never changes the replica count."""
     planner = Planner(dataclasses.replace(POLICY, scale_up_cooldown_s=0, scale_down_cooldown_s=0))
-    pool = make_pool(Role.DECODE, 2)
+    pool = make_pool(WorkerRole.DECODE, 2)
     for step, kv in enumerate([0.45, 0.79, 0.5, 0.7, 0.41, 0.8, 0.6] * 3):
         workers = [make_worker("d0", kv_usage=kv), make_worker("d1", kv_usage=kv)]
         decision = planner.decide(NOW + step, [pool], workers)[0]
@@ -211,24 +212,21 @@ def test_no_flapping_over_a_load_sweep() -> None:
 
 def test_planner_decides_each_pool_and_keeps_times_per_role() -> None:
     planner = Planner(POLICY)
-    pools = [make_pool(Role.PREFILL, 1), make_pool(Role.DECODE, 2)]
+    pools = [make_pool(WorkerRole.PREFILL, 1), make_pool(WorkerRole.DECODE, 2)]
     metrics = [prefill("p0", predicted_ttft_ms=5000), make_worker("d0", kv_usage=0.5),
                make_worker("d1", kv_usage=0.5)]
     decisions = planner.decide(NOW, pools, metrics)
-    assert [(d.role, d.action) for d in decisions] == [(Role.PREFILL, ScaleAction.SCALE_UP),
-                                                       (Role.DECODE, ScaleAction.HOLD)]
-    assert planner.last_scale_up_at == {Role.PREFILL: NOW}
+    assert [(d.role, d.action) for d in decisions] == [(WorkerRole.PREFILL, ScaleAction.SCALE_UP),
+                                                       (WorkerRole.DECODE, ScaleAction.HOLD)]
+    assert planner.last_scale_up_at == {WorkerRole.PREFILL: NOW}
     assert planner.last_scale_down_at == {}
     assert planner.decide(NOW, [], metrics) == []
 
 
-def test_registry_and_string_roles_are_accepted() -> None:
-    from pdserve.cluster.registry import WorkerRole
-
-    for role in ("decode", WorkerRole.DECODE):
-        worker = WorkerMetrics(worker_id="d0", role=role, warm=True, started_at=0.0)  # type: ignore[arg-type]
-        assert worker.role is Role.DECODE
-    assert PoolState(role=WorkerRole.PREFILL, replicas=1, min_replicas=0, max_replicas=1).role is Role.PREFILL
+def test_string_roles_are_accepted() -> None:
+    worker = WorkerMetrics(worker_id="d0", role="decode", warm=True, started_at=0.0)  # type: ignore[arg-type]
+    assert worker.role is WorkerRole.DECODE
+    assert PoolState(role="prefill", replicas=1, min_replicas=0, max_replicas=1).role is WorkerRole.PREFILL  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [
@@ -249,7 +247,7 @@ def test_invalid_inputs_raise_value_error(bad) -> None:  # type: ignore[no-untyp
 def test_scale_down_needs_utilisation_low_on_every_decision_for_the_stable_window() -> None:
     policy = dataclasses.replace(POLICY, scale_down_cooldown_s=0.0, scale_down_stable_s=30.0)
     planner = Planner(policy)
-    pool = make_pool(Role.DECODE, 3)
+    pool = make_pool(WorkerRole.DECODE, 3)
     idle = [make_worker(f"d{i}") for i in range(3)]
     busy = [make_worker(f"d{i}", running_seqs=6) for i in range(3)]  # 60% of max_num_seqs: in band
 
@@ -263,14 +261,14 @@ def test_scale_down_needs_utilisation_low_on_every_decision_for_the_stable_windo
     assert action(NOW + 40, idle) is ScaleAction.HOLD
     assert action(NOW + 69, idle) is ScaleAction.HOLD        # low for 29 s
     assert action(NOW + 70, idle) is ScaleAction.SCALE_DOWN  # low for 30 s
-    pool = make_pool(Role.DECODE, 2)
+    pool = make_pool(WorkerRole.DECODE, 2)
     assert action(NOW + 71, idle[:2]) is ScaleAction.HOLD    # the next drain needs a new quiet spell
     assert action(NOW + 101, idle[:2]) is ScaleAction.SCALE_DOWN
 
 
 def test_above_max_replicas_is_repaired_without_waiting_for_a_quiet_spell() -> None:
     planner = Planner(dataclasses.replace(POLICY, scale_down_stable_s=3600.0))
-    pool = make_pool(Role.DECODE, 3, hi=2)
+    pool = make_pool(WorkerRole.DECODE, 3, hi=2)
     busy = [make_worker(f"d{i}", running_seqs=6) for i in range(3)]
     assert planner.decide(NOW, [pool], busy)[0].action is ScaleAction.SCALE_DOWN
 
@@ -289,7 +287,7 @@ def test_at_max_replicas_the_reason_says_which_resource_is_missing() -> None:
     room = headroom("decode", replica_needs(2.0, 0.0, {}), {"CPU": 6.0}, {"CPU": 8.0})
     assert room == "Ray has room for 3 more decode replicas: raise decode.max_replicas"
     assert headroom("decode", replica_needs(1.0, 0.0, {}), {}, {}) == ""       # Ray not reachable: nothing said
-    pool = make_pool(Role.DECODE, 2, hi=2, headroom=full)
+    pool = make_pool(WorkerRole.DECODE, 2, hi=2, headroom=full)
     workers = [make_worker("d0", kv_usage=0.99), make_worker("d1", kv_usage=0.99)]
     decision = decide_pool(NOW, pool, workers, POLICY)
     assert decision.action is ScaleAction.HOLD
@@ -310,8 +308,8 @@ def test_an_unset_max_replicas_is_what_ray_has_room_for() -> None:
     assert auto_max_replicas(current=1, initial=1, min_replicas=1, room=0) == 1    # a full host: fixed at 1
     assert auto_max_replicas(current=0, initial=2, min_replicas=1, room=0) == 2    # never below its start
     # The planner grows a busy pool whose limit is Ray's room, one step at a time.
-    pool = make_pool(Role.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=2))
+    pool = make_pool(WorkerRole.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=2))
     workers = [make_worker("d0", running_seqs=10, waiting_seqs=10)]
     assert decide_pool(NOW, pool, workers, POLICY).action is ScaleAction.SCALE_UP
-    full = make_pool(Role.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=0))
+    full = make_pool(WorkerRole.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=0))
     assert decide_pool(NOW, full, workers, POLICY).action is ScaleAction.HOLD

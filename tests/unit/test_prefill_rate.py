@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from factories import worker_stats
 from pdserve.router.worker_pool import measured_prefill_rate
 
 
-def _stats(tokens: int, seconds: float) -> dict:
-    return {"prompt_tokens_computed": tokens, "prefill_compute_s": seconds}
+def _stats(tokens: int, seconds: float):
+    return worker_stats(prompt_tokens_computed=tokens, prefill_compute_s=seconds)
 
 
 def test_rate_is_tokens_over_prefill_step_time_and_smoothed() -> None:
@@ -22,5 +23,4 @@ def test_rate_is_tokens_over_prefill_step_time_and_smoothed() -> None:
 def test_idle_restarted_or_old_workers_keep_the_last_rate() -> None:
     assert measured_prefill_rate(800.0, _stats(500, 1.0), _stats(500, 1.0)) == 800.0      # idle
     assert measured_prefill_rate(800.0, _stats(500, 1.0), _stats(10, 0.1)) == 800.0       # restarted
-    assert measured_prefill_rate(800.0, {}, _stats(10, 0.1)) == 800.0                     # no previous stats
-    assert measured_prefill_rate(None, {"prompt_tokens_computed": 5}, {"prompt_tokens_computed": 9}) is None
+    assert measured_prefill_rate(800.0, None, _stats(10, 0.1)) == 800.0                   # no previous stats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.detokenizer import OutputText
+from pdserve.engine.output_text import OutputText
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A request's output text as the router builds it: incremental, UTF-8 safe, with stop strings.
+"""A request's output text: incremental, UTF-8 safe, with stop strings. The one implementation:
+the router builds each stream's text with it, and the engine's ``StopChecker`` its stop strings.
 
 Token ids become text through the engine's ``IncrementalDetokenizer`` (it decodes a short
 window and waits while the window ends in half a UTF-8 character). On top of it this class:

@@ -1,0 +1,42 @@
+"""The typed records that cross between workers and the router (``engine/contract.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from factories import worker_stats
+from pdserve.engine.contract import CONTRACT_VERSION, WorkerRole, WorkerStats, as_role
+
+
+def test_busy_counts_every_kind_of_held_request() -> None:
+    assert not worker_stats().busy
+    for name in ("num_running", "num_waiting", "in_flight", "reservations"):
+        assert worker_stats(**{name: 1}).busy, name
+    assert worker_stats(kv_mailboxes=1).holds_anything and not worker_stats(kv_mailboxes=1).busy
+
+
+def test_a_renamed_field_fails_loudly_instead_of_reading_zero() -> None:
+    with pytest.raises(TypeError):
+        worker_stats(num_runing=3)          # a typo is refused at the writer
+    with pytest.raises(AttributeError):
+        worker_stats().num_runing           # noqa: B018 and at the reader
+
+
+def test_roles_and_versions() -> None:
+    assert as_role("decode") is WorkerRole.DECODE and as_role(WorkerRole.PREFILL) is WorkerRole.PREFILL
+    assert worker_stats(role="decode").role is WorkerRole.DECODE
+    with pytest.raises(ValueError):
+        worker_stats(role="mixed")
+    with pytest.raises(ValueError, match="contract version"):
+        worker_stats(version=CONTRACT_VERSION + 1)
+
+
+def test_it_crosses_a_process_boundary_and_reads_as_plain_values() -> None:
+    s = worker_stats(role="decode", generated_tokens=7, cores=[0, 1], kernels={"qkv": "packed"})
+    assert pickle.loads(pickle.dumps(s)) == s
+    d = s.to_dict()
+    assert d["role"] == "decode" and d["cores"] == [0, 1] and s.produced_tokens == 7
+    assert set(d) == {f.name for f in dataclasses.fields(WorkerStats)}
