@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.contract import WorkerStats
-from pdserve.engine.sequence import PhaseRecord
+from pdserve.engine.contract import RequestPhase
 from pdserve.kv_transfer.engine_layout import model_identity
 from pdserve.kv_transfer.kv_worker import WorkerObserver
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -76,7 +76,7 @@ class _MetricsObserver(WorkerObserver):
     def itl_gaps(self, gaps_s: list[float]) -> None:
         self.metrics.observe_itl(gaps_s)
 
-    def request_finished(self, phase: PhaseRecord) -> None:
+    def request_finished(self, phase: RequestPhase) -> None:
         self.metrics.observe_finished(phase)
 
     def transfer_done(self, kv_bytes: int, seconds: float) -> None:

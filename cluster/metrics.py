@@ -1,7 +1,7 @@
 """pdserve's Prometheus metrics, recorded through ``ray.util.metrics``: the one place stats become metrics.
 
-Core code returns stats (``EngineStats``, ``PhaseRecord``, ``PlannerDecision``); the recorders here
-(``EngineMetrics``, ``RouterMetrics``, ``PlannerMetrics``) turn them into metrics. ``METRICS`` is the
+Core code returns stats (``EngineStats``, ``RequestPhase``, ``PlannerDecision``); the recorders here
+(``EngineMetrics``, ``RayRouterMetrics``, ``PlannerMetrics``) turn them into metrics. ``METRICS`` is the
 catalogue: every name, type, label set and bucket list (``docs/metrics.md`` and the Grafana
 dashboard are checked against it by ``tests/unit/test_grafana.py``).
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.cluster.planner import PlannerDecision
     from pdserve.engine.llm_engine import EngineStats
-    from pdserve.engine.sequence import PhaseRecord
+    from pdserve.engine.contract import RequestPhase
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def _observe(name: str, value: float | None, tags: dict[str, str]) -> None:
 
 
 def _as_mapping(record: object) -> Mapping[str, Any]:
-    """A stats dataclass (``PhaseRecord``, ``EngineStats``) or a dict of its fields."""
+    """A stats dataclass (``RequestPhase``, ``EngineStats``) or a dict of its fields."""
     if is_dataclass(record) and not isinstance(record, type):
         return {f.name: getattr(record, f.name) for f in fields(record)}
     if isinstance(record, Mapping):
@@ -306,7 +306,7 @@ class EngineMetrics:
         self._deltas = CounterDeltas()
         self._lock = threading.Lock()
 
-    def observe_finished(self, phase: PhaseRecord | Mapping[str, Any],
+    def observe_finished(self, phase: RequestPhase | Mapping[str, Any],
                          itl_s: Iterable[float] = ()) -> None:
         """Record one finished request from its phase record (and its inter-token gaps, if known)."""
         _observe_request(self.tags, _as_mapping(phase), itl_s)
@@ -344,14 +344,14 @@ class EngineMetrics:
         _INSTRUMENTS.forget(self.tags)
 
 
-class RouterMetrics:
+class RayRouterMetrics:
     """Request metrics as the client sees them, labelled ``role="router"``."""
 
     def __init__(self, model: str, router_id: str = "router") -> None:
         self.tags = {"role": "router", "worker_id": _label(router_id, "router_id"),
                      "model": _label(model, "model")}
 
-    def observe_request(self, phase: PhaseRecord | Mapping[str, Any],
+    def observe_request(self, phase: RequestPhase | Mapping[str, Any],
                         itl_s: Iterable[float] | None = None) -> None:
         """Record one finished request; inter-token gaps from ``itl_s`` or the phase's ``itl_s`` key."""
         data = _as_mapping(phase)

@@ -67,7 +67,7 @@ class _LoggedBackend:
             if isinstance(item, Finished) and self._log is not None:
                 record = {"request_id": req.request_id, "client_request_id": req.client_id, "finish_reason": item.finish_reason,
                           "error": str(item.error) if item.error else None, "priority": req.priority.name.lower(),
-                          "max_tokens": req.params.max_tokens, "time": time.time(), **item.phase}
+                          "max_tokens": req.params.max_tokens, "time": time.time(), **item.phase.to_dict()}
                 asyncio.get_running_loop().create_task(self._append(record))
             yield item
 
@@ -160,9 +160,9 @@ class RouterService:
                                      max_predicted_ttft_s=cfg.router.disaggregation.max_predicted_ttft_s)
         admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
                                               max_queued=cfg.router.max_queued_requests))
-        from pdserve.cluster.metrics import PlannerMetrics, RouterMetrics
+        from pdserve.cluster.metrics import PlannerMetrics, RayRouterMetrics
 
-        self.metrics = RouterMetrics(info.name)
+        self.metrics = RayRouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
         self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics, self.redis_guard),
                                admission=admission, limits=ServingLimits(cfg.router.request_timeout_s,

@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig, EngineMode
-from pdserve.engine.contract import WorkerRole, WorkerStats
+from pdserve.engine.contract import RequestPhase, WorkerRole, WorkerStats
 from pdserve.engine.errors import InvalidRequestError, KVTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import PhaseRecord, Priority
+from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVReceiver, RecvState
 from pdserve.kv_transfer.kv_worker import KVWorker
 
@@ -210,7 +210,7 @@ class DecodeWorker(KVWorker):
     def _publish(self, outputs: list[StepOutput]) -> None:
         self._record_itl(outputs)
         for out in outputs:
-            if out.finished and isinstance(out.phase, PhaseRecord):
+            if out.finished and isinstance(out.phase, RequestPhase):
                 self._notify(self.observer.request_finished, out.phase)
         with self._outbox_cv:
             self._outbox.extend(outputs)

@@ -12,7 +12,7 @@ default does not change it); a reader that meets another version refuses it by n
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 CONTRACT_VERSION = 1
 
@@ -100,3 +100,79 @@ class WorkerStats:
         d = asdict(self)
         d["role"] = str(self.role)
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPhase:
+    """One request's phase record: what it spent its time on, where it ran and what moved.
+
+    The engine fills the timings (``Sequence.phase_record``); the backend that served the request
+    adds the workers, the KV moved and the attempts; ``Serving`` sets the final finish reason; the
+    HTTP and gRPC APIs, the request log, the metrics and ``pdserve`` print this one record (as
+    ``to_dict()`` on the wire). Times are seconds; ``None`` where a phase did not happen."""
+
+    queue_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    prefill_tokens_per_s: float | None = None
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float | None = None
+    total_s: float = 0.0
+    preemptions: int = 0
+    finish_reason: str | None = None
+    # where it ran and what moved (the backend's part)
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    kv_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    kv_exposed_s: float = 0.0
+    attempts: int = 1
+    migrations: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def but(self, **changes: object) -> RequestPhase:
+        """A copy with ``changes`` (the record is frozen)."""
+        return replace(self, **changes)
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill worker returns to the router for one request: the first token and what it cost.
+
+    ``finish_reason`` is ``"prefilled"`` when the KV landed on the decode worker and decoding
+    should continue there; ``"stop"``/``"length"`` when the request already ended at its first
+    token (nothing to decode); ``"error"``/``"abort"`` when it failed (see ``error``).
+    """
+
+    request_id: str
+    worker_id: str
+    finish_reason: str
+    first_token_id: int | None = None
+    first_token_logprobs: dict[int, float] | None = None
+    error: str | None = None
+    # Set when the error is the request's own (see ``StepOutput.error_code``): not retried.
+    error_code: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0
+    kv_blocks: int = 0
+    kv_descriptors: int = 0
+    kv_transfer_s: float = 0.0
+    # Transfer time not hidden behind prefill compute: DONE sent minus first token ready.
+    kv_exposed_s: float = 0.0
+    # The prefill worker's blocks that were sent (they stay in its prefix cache afterwards).
+    src_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in ("prefilled", "stop", "length")
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

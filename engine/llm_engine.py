@@ -26,7 +26,8 @@ from pdserve.engine.model_runner import ForwardItem, ModelRunner
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, PhaseRecord, Priority, Sequence, SequenceStatus
+from pdserve.engine.contract import RequestPhase
+from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 from pdserve.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class StepOutput:
     text_delta: str = ""
     finished: bool = False
     finish_reason: str | None = None
-    phase: PhaseRecord | None = None
+    phase: RequestPhase | None = None
     error: str | None = None
     # Set when the error is the request's own (``engine.errors.request_error`` rebuilds it): it
     # would fail the same way on any worker, so it is not retried elsewhere.
@@ -373,8 +374,8 @@ class LLMEngine:
                 out.text_delta += self.stopper.flush(seq)
                 out.finished = True
                 out.finish_reason = reason.value
-                out.phase = seq.phase_record()
-                out.phase.prefill_s = seq.prefill_compute_s or out.phase.prefill_s
+                phase = seq.phase_record()
+                out.phase = phase.but(prefill_s=seq.prefill_compute_s or phase.prefill_s)
             outputs.append(out)
         # Prefill progress for chunks that did not sample (prefill-only workers stream blocks early).
         for c in sched.chunks:

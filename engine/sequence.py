@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from pdserve.engine.contract import RequestPhase
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -28,30 +29,6 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"          # cancelled by the client or an operator
     ERROR = "error"          # failed; see the request's error message
     PREFILLED = "prefilled"  # prefill-only mode: the prompt's KV and first token are ready
-
-
-@dataclass(slots=True)
-class PhaseRecord:
-    """What a request spent its time on, reported with every finished request.
-
-    Times are seconds; ``None`` where a phase did not happen on this engine.
-    """
-
-    queue_s: float = 0.0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float | None = None
-    output_tokens: int = 0
-    decode_s: float = 0.0
-    decode_tokens_per_s: float | None = None
-    prefill_tokens_per_s: float | None = None
-    total_s: float = 0.0
-    preemptions: int = 0
-    finish_reason: str | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(slots=True, eq=False)
@@ -116,11 +93,11 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
-    def phase_record(self) -> PhaseRecord:
+    def phase_record(self) -> RequestPhase:
         """Build the request's phase record from its timing marks."""
         end = self.finished_time if self.finished_time is not None else time.monotonic()
         start_sched = self.first_scheduled_time if self.first_scheduled_time is not None else end
-        rec = PhaseRecord(
+        rec = dict(
             queue_s=max(0.0, start_sched - self.arrival_time),
             prompt_tokens=self.num_prompt_tokens,
             cached_prompt_tokens=self.num_cached_tokens,
@@ -130,13 +107,13 @@ class Sequence:
             finish_reason=self.finish_reason.value if self.finish_reason else None,
         )
         if self.first_token_time is not None:
-            rec.prefill_s = max(0.0, self.first_token_time - start_sched)
-            rec.ttft_s = max(0.0, self.first_token_time - self.arrival_time)
+            prefill_s = rec["prefill_s"] = max(0.0, self.first_token_time - start_sched)
+            rec["ttft_s"] = max(0.0, self.first_token_time - self.arrival_time)
             computed = self.num_prompt_tokens - self.num_cached_tokens
-            if rec.prefill_s > 0 and computed > 0:
-                rec.prefill_tokens_per_s = computed / rec.prefill_s
-            rec.decode_s = max(0.0, end - self.first_token_time)
+            if prefill_s > 0 and computed > 0:
+                rec["prefill_tokens_per_s"] = computed / prefill_s
+            decode_s = rec["decode_s"] = max(0.0, end - self.first_token_time)
             decoded = len(self.output_token_ids) - 1
-            if decoded > 0 and rec.decode_s > 0:
-                rec.decode_tokens_per_s = decoded / rec.decode_s
-        return rec
+            if decoded > 0 and decode_s > 0:
+                rec["decode_tokens_per_s"] = decoded / decode_s
+        return RequestPhase(**rec)

@@ -13,7 +13,7 @@ from pdserve.engine.config import EngineConfig, EngineMode
 from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.engine.sequence import PhaseRecord
+from pdserve.engine.contract import RequestPhase
 from pdserve.kv_transfer.agent import KVAgent
 from pdserve.kv_transfer.engine_layout import layout_of
 
@@ -28,7 +28,7 @@ class WorkerObserver:
     def itl_gaps(self, gaps_s: list[float]) -> None:
         """A decode step's inter-token gaps, in seconds."""
 
-    def request_finished(self, phase: PhaseRecord) -> None:
+    def request_finished(self, phase: RequestPhase) -> None:
         """A request ended on this decode worker, with its phase record."""
 
     def transfer_done(self, kv_bytes: int, seconds: float) -> None:

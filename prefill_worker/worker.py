@@ -30,7 +30,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVSender, SendState, TransferParams
 from pdserve.kv_transfer.kv_worker import KVWorker
-from pdserve.prefill_worker.result import PrefillResult
+from pdserve.engine.contract import PrefillResult
 
 logger = logging.getLogger(__name__)
 
@@ -71,28 +71,28 @@ class PrefillWorker(KVWorker):
                transfer_params: bytes, priority: Priority = Priority.INTERACTIVE) -> Future:
         """Start prefilling; the future resolves to a ``PrefillResult`` (never raises for a
         request-level failure: those come back as ``finish_reason="error"``)."""
-        tp = TransferParams.from_bytes(transfer_params)
+        transfer = TransferParams.from_bytes(transfer_params)
         fut: Future = Future()
 
         def start(engine: LLMEngine) -> None:
-            sender = KVSender(self.agent, tp)  # checks compatibility before anything moves
+            sender = KVSender(self.agent, transfer)  # checks compatibility before anything moves
             try:
                 engine.add_request(request_id, prompt_token_ids, params, priority)
             except BaseException:
                 sender.close()
                 raise
-            self._jobs[request_id] = _Job(request_id, sender, tp.dst_blocks, fut, self._deadline_of(tp),
+            self._jobs[request_id] = _Job(request_id, sender, transfer.dst_blocks, fut, self._deadline_of(transfer),
                                           num_prompt_tokens=len(prompt_token_ids))
 
         started = self._loop.submit(start)
         started.add_done_callback(lambda f: f.exception() and not fut.done() and fut.set_exception(f.exception()))
         return fut
 
-    def _deadline_of(self, tp: TransferParams) -> float:
+    def _deadline_of(self, transfer: TransferParams) -> float:
         """The job's deadline (monotonic): the decode side's reservation expiry when it has one,
         which the router renews while the job waits or runs; else the transfer timeout."""
-        if tp.expires_at:
-            return time.monotonic() + max(0.0, tp.expires_at - time.time())
+        if transfer.expires_at:
+            return time.monotonic() + max(0.0, transfer.expires_at - time.time())
         return time.monotonic() + self.transfer_timeout_s
 
     def extend(self, request_id: str, expires_at: float) -> bool:

@@ -17,20 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from pdserve.engine.contract import RequestPhase
 from pdserve.engine.errors import PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-# Keys that a backend adds to ``PhaseRecord.to_dict()`` in ``Finished.phase``.
-PHASE_EXTRA_DEFAULTS: dict[str, object] = {
-    "kv_bytes": 0,
-    "kv_transfer_s": 0.0,
-    "prefill_worker": "",
-    "decode_worker": "",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -74,10 +66,10 @@ class TokenDelta:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The end of a request: why, and the phase record (``PhaseRecord.to_dict()`` + extras)."""
+    """The end of a request: why, and its phase record."""
 
     finish_reason: str
-    phase: dict = field(default_factory=dict)
+    phase: RequestPhase = field(default_factory=RequestPhase)
     error: PdserveError | None = None
 
     def __post_init__(self) -> None:
@@ -95,11 +87,3 @@ class Backend(Protocol):
 
     async def health(self) -> bool: ...
 
-
-def complete_phase(phase: dict | None, **extra: object) -> dict:
-    """A phase dict with every key the APIs report, filling the backend extras' defaults."""
-    out: dict = dict(PHASE_EXTRA_DEFAULTS)
-    if phase:
-        out.update(phase)
-    out.update(extra)
-    return out

@@ -23,8 +23,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from pdserve.engine.contract import PrefillResult, RequestPhase
 from pdserve.engine.block_manager import chain_hashes
 from pdserve.engine.errors import (
     DeadlineExceededError,
@@ -38,7 +39,7 @@ from pdserve.engine.errors import (
 )
 from pdserve.kv_transfer import TransferParams
 from pdserve.router.ledger_port import LedgerSink, LedgerState
-from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
+from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
 from pdserve.router.policy import RoutingDecision, RoutingPolicy
 from pdserve.router.worker_pool import DEADLINE, LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
 
@@ -66,6 +67,19 @@ def _repeated_failure(exc: Exception, seen: dict[str, str]) -> EngineStepError |
         return None
     return EngineStepError(f"the request failed the same way on workers {first} and {exc.worker_id}, "
                            f"so it is not retried: {exc.reported}")
+
+
+@dataclass(slots=True)
+class _RequestRecord:
+    """What one request's attempts learned, for its phase record and its retries."""
+
+    attempts: int = 0
+    migrations: int = 0
+    prefill_worker: str = ""        # of the latest attempt ("" before one is routed)
+    decode_worker: str = ""
+    prefilled: PrefillResult | None = None   # the prefill worker's result, when it prefilled
+    decode_phase: RequestPhase | None = None  # the decode worker's own record, when it finished
+    ended_at_prefill: str | None = None       # the request ended at its first token (EOS, max_tokens 1)
 
 
 class DisaggBackend:
@@ -123,11 +137,11 @@ class DisaggBackend:
         emitted: list[int] = []
         excluded: set[str] = set()
         failures: dict[str, str] = {}
-        acc: dict[str, object] = {"attempts": 0, "migrations": 0}
+        acc = _RequestRecord()
         first_token_at: float | None = None
         prefer: str | None = None  # the prefill worker that holds the prompt's KV after a decode-side loss
         for attempt_no in range(1, self.max_attempts + 1):
-            acc["attempts"] = attempt_no
+            acc.attempts = attempt_no
             prompt = req.prompt_token_ids + emitted
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
             attempt = f"{req.request_id}#{attempt_no}"
@@ -148,27 +162,27 @@ class DisaggBackend:
                 repeated = _repeated_failure(exc, failures)
                 if repeated is not None:
                     logger.warning("request %s: not retried: %s", req.request_id, repeated)
-                    yield self._finish(Finished("error", {}, repeated), req, emitted, started, first_token_at, acc)
+                    yield self._finish(Finished("error", error=repeated), req, emitted, started, first_token_at, acc)
                     return
                 excluded.add(exc.worker_id)
                 # the decode side failed after (or while) the prompt was prefilled: that prefill
                 # worker keeps the prompt's KV in its prefix cache, so the retry goes there again
-                p_prev = acc.get("prefill_worker")
-                prefer = p_prev if p_prev and p_prev != exc.worker_id and p_prev != acc.get("decode_worker") else None
+                p_prev = acc.prefill_worker
+                prefer = p_prev if p_prev and p_prev != exc.worker_id and p_prev != acc.decode_worker else None
                 if emitted:
                     self.migrations += 1
-                    acc["migrations"] = int(acc["migrations"]) + 1
+                    acc.migrations += 1
                     logger.warning("request %s: migrating after %d tokens: %s", req.request_id, len(emitted), exc)
                 else:
                     self.retries += 1
                     logger.warning("request %s: retrying: %s", req.request_id, exc)
                 continue
             except PdserveError as exc:
-                yield self._finish(Finished("error", {}, exc), req, emitted, started, first_token_at, acc)
+                yield self._finish(Finished("error", error=exc), req, emitted, started, first_token_at, acc)
                 return
         logger.warning("request %s: no worker could serve it after %d attempts", req.request_id, self.max_attempts)
         err = WorkerUnavailableError(f"no worker could serve this request after {self.max_attempts} attempts")
-        yield self._finish(Finished("error", {}, err), req, emitted, started, first_token_at, acc)
+        yield self._finish(Finished("error", error=err), req, emitted, started, first_token_at, acc)
 
     # -------------------------------------------------------------- attempts
     async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None,
@@ -263,7 +277,7 @@ class DisaggBackend:
                 delay = min(delay * 2, 0.2)
 
     async def _run_attempt(self, attempt: str, decision: RoutingDecision, prompt: list[int], params,
-                           req: GenerateRequest, acc: dict) -> AsyncIterator[TokenDelta | Finished]:
+                           req: GenerateRequest, acc: _RequestRecord) -> AsyncIterator[TokenDelta | Finished]:
         d, p = decision.decode_worker, decision.prefill_worker
         self._active[attempt] = (d, p)
         self._attempt_of[req.request_id] = attempt
@@ -280,7 +294,8 @@ class DisaggBackend:
             deadline_timer = loop.call_at(loop.time() + max(0.0, req.deadline - time.monotonic()),
                                           queue.put_nowait, DEADLINE)
         try:
-            acc["decode_worker"], acc["prefill_worker"] = d, p or d
+            acc.decode_worker, acc.prefill_worker = d, p or d
+            acc.ended_at_prefill = None
             if p is None:
                 local_tokens = len(prompt)
                 d_view.local_prefill_tokens += local_tokens
@@ -289,14 +304,14 @@ class DisaggBackend:
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
                 first = await self._handoff(attempt, d, p, prompt, params, req, acc, queue)
-                if acc.get("ended_at_prefill"):
+                if acc.ended_at_prefill:
                     # Record FREED before handing out the last token: a caller that stops reading
                     # after it would otherwise leave the entry live until its lease runs out.
                     finished = True
                     await self._ledger(LedgerState.FREED, attempt)
                     if first is not None:
                         yield first
-                    yield Finished(str(acc.pop("ended_at_prefill")), {})
+                    yield Finished(acc.ended_at_prefill)
                     return
                 decoding = True
                 d_view.decoding_requests += 1
@@ -330,8 +345,8 @@ class DisaggBackend:
                             raise own  # the request's own fault: no other worker would do better
                         raise _AttemptFailed(d, out.error or "decode failed", code=out.error_code,
                                              reported=out.error)
-                    acc["decode_phase"] = out.phase.to_dict() if out.phase else {}
-                    yield Finished(out.finish_reason or "stop", {})
+                    acc.decode_phase = out.phase
+                    yield Finished(out.finish_reason or "stop")
                     return
         finally:
             if deadline_timer is not None:
@@ -351,7 +366,7 @@ class DisaggBackend:
                     self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0))
 
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
-                       req: GenerateRequest, acc: dict, queue: asyncio.Queue) -> TokenDelta | None:
+                       req: GenerateRequest, acc: _RequestRecord, queue: asyncio.Queue) -> TokenDelta | None:
         """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
         member = self.pool.members.get(p)
         if member is None:  # removed (dead) between routing and now: retried elsewhere, like a lost call
@@ -361,15 +376,15 @@ class DisaggBackend:
         # routed together see each other's tokens (routing and the predicted-TTFT admission).
         p_view.inflight_tokens += len(prompt)
         try:
-            tp = await self._reserve(attempt, d, len(prompt), req.deadline)
-            await self._ledger_reserve(attempt, d, list(TransferParams.from_bytes(tp).dst_blocks))
+            params_bytes = await self._reserve(attempt, d, len(prompt), req.deadline)
+            await self._ledger_reserve(attempt, d, list(TransferParams.from_bytes(params_bytes).dst_blocks))
             if p not in self.pool.members:
                 raise WorkerLost(p, "left the pool before its prefill started")
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p)
             renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p))
             try:
                 res = await self._prefill_unless_decode_lost(
-                    d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, tp, req.priority)))
+                    d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, params_bytes, req.priority)))
             except KVTransferError as exc:  # e.g. the pair is not connected: another pair may be
                 await self._blame_decode_if_gone(d, str(exc))
                 raise _AttemptFailed(p, f"prefill on {p} could not send KV to {d}: {exc}") from exc
@@ -384,15 +399,13 @@ class DisaggBackend:
             await self._blame_decode_if_gone(d, res.error or res.finish_reason)
             raise _AttemptFailed(p, f"prefill on {p} failed: {res.error}", code=res.error_code,
                                  reported=res.error)
-        acc.update(queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes,
-                   kv_transfer_s=res.kv_transfer_s, kv_exposed_s=res.kv_exposed_s,
-                   kv_descriptors=res.kv_descriptors, cached_prompt_tokens=res.cached_prompt_tokens)
+        acc.prefilled = res
         first = TokenDelta([res.first_token_id],
                            [res.first_token_logprobs] if res.first_token_logprobs is not None else None)
         if res.finish_reason != "prefilled":
             # Ended at its first token (EOS / max_tokens 1): nothing to decode.
             self._abort_remote(attempt, d, None)
-            acc["ended_at_prefill"] = res.finish_reason
+            acc.ended_at_prefill = res.finish_reason
             return first
         await self._ledger(LedgerState.LANDED, attempt)
         try:
@@ -502,27 +515,27 @@ class DisaggBackend:
                                          lease_s=lease_s)
 
     def _finish(self, fin: Finished, req: GenerateRequest, emitted: list[int], started: float,
-                first_token_at: float | None, acc: dict) -> Finished:
+                first_token_at: float | None, acc: _RequestRecord) -> Finished:
+        """The request's phase record: prefill from the prefill worker's result (or the decode
+        worker's own record when it prefilled locally), timings as the router saw them."""
         now = time.monotonic()
-        decode = acc.get("decode_phase") or {}
-        phase = {
-            "queue_s": acc.get("queue_s", decode.get("queue_s", 0.0)),
-            "prompt_tokens": len(req.prompt_token_ids),
-            "cached_prompt_tokens": acc.get("cached_prompt_tokens", decode.get("cached_prompt_tokens", 0)),
-            "prefill_s": acc.get("prefill_s", decode.get("prefill_s", 0.0)),
-            "ttft_s": None if first_token_at is None else first_token_at - started,
-            "output_tokens": len(emitted),
-            "decode_s": 0.0 if first_token_at is None else now - first_token_at,
-            "total_s": now - started,
-            "finish_reason": fin.finish_reason,
-            "kv_bytes": acc.get("kv_bytes", 0),
-            "kv_transfer_s": acc.get("kv_transfer_s", 0.0),
-            "kv_exposed_s": acc.get("kv_exposed_s", 0.0),
-            "prefill_worker": acc.get("prefill_worker", ""),
-            "decode_worker": acc.get("decode_worker", ""),
-            "attempts": acc.get("attempts", 1),
-            "migrations": acc.get("migrations", 0),
-        }
-        if len(emitted) > 1 and phase["decode_s"]:
-            phase["decode_tokens_per_s"] = (len(emitted) - 1) / phase["decode_s"]
-        return Finished(fin.finish_reason, complete_phase(phase), fin.error)
+        decode = acc.decode_phase or RequestPhase()
+        pre = acc.prefilled
+        decode_s = 0.0 if first_token_at is None else now - first_token_at
+        phase = RequestPhase(
+            queue_s=pre.queue_s if pre else decode.queue_s,
+            prompt_tokens=len(req.prompt_token_ids),
+            cached_prompt_tokens=pre.cached_prompt_tokens if pre else decode.cached_prompt_tokens,
+            prefill_s=pre.prefill_s if pre else decode.prefill_s,
+            ttft_s=None if first_token_at is None else first_token_at - started,
+            output_tokens=len(emitted),
+            decode_s=decode_s,
+            decode_tokens_per_s=(len(emitted) - 1) / decode_s if len(emitted) > 1 and decode_s else None,
+            total_s=now - started,
+            finish_reason=fin.finish_reason,
+            prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker,
+            kv_bytes=pre.kv_bytes if pre else 0, kv_transfer_s=pre.kv_transfer_s if pre else 0.0,
+            kv_exposed_s=pre.kv_exposed_s if pre else 0.0,
+            attempts=max(1, acc.attempts), migrations=acc.migrations,
+        )
+        return Finished(fin.finish_reason, phase, fin.error)

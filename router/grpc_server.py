@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.engine.contract import RequestPhase
 from pdserve.engine.sequence import Priority
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
@@ -94,10 +95,10 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
     )
 
 
-def _phase_message(phase: dict) -> pb.PhaseRecord:
+def _phase_message(phase: RequestPhase) -> pb.PhaseRecord:
     msg = pb.PhaseRecord()
     for f in pb.PhaseRecord.DESCRIPTOR.fields:
-        value = phase.get(f.name)
+        value = getattr(phase, f.name)
         if value is None:
             continue
         setattr(msg, f.name, type(getattr(msg, f.name))(value))

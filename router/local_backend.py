@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.engine.contract import RequestPhase
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError, request_error
-from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta, complete_phase
+from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine, StepOutput
@@ -143,8 +144,7 @@ class LocalEngineBackend:
         self._deliver(batches)
 
     def _finished(self, out: StepOutput, stream: _Stream) -> Finished:
-        phase = complete_phase(out.phase.to_dict() if out.phase is not None else None,
-                               prefill_worker=self._worker_id, decode_worker=self._worker_id)
+        phase = (out.phase or RequestPhase()).but(prefill_worker=self._worker_id, decode_worker=self._worker_id)
         error = stream.error
         if error is None and out.error:
             error = request_error(out.error_code, out.error) or PdserveError(out.error)
@@ -160,7 +160,7 @@ class LocalEngineBackend:
                 self._engine.abort(rid)
             except Exception:  # the engine may be broken; the client must still hear the end
                 logger.exception("abort of %s failed", rid)
-            batches[stream] = [Finished("error", complete_phase(None), error)]
+            batches[stream] = [Finished("error", RequestPhase(), error)]
         self._streams.clear()
         self._deliver(batches)
 

@@ -82,7 +82,7 @@ class ResponseBuilder:
         body = self._envelope(stream=False)
         body.update(choices=[choice], usage=usage_body(final))
         body["pdserve"] = {"request_id": self.request_id, "token_ids": [t for c in chunks for t in c.token_ids],
-                           "phase": final.phase}
+                           "phase": final.phase.to_dict()}
         return body
 
     def first_chunk(self) -> dict | None:
@@ -113,7 +113,7 @@ class ResponseBuilder:
             choice["text"] = ""
         body = self._envelope(stream=True)
         body["choices"] = [choice]
-        body["pdserve"] = {"request_id": self.request_id, "token_ids": [], "phase": final.phase}
+        body["pdserve"] = {"request_id": self.request_id, "token_ids": [], "phase": final.phase.to_dict()}
         return body
 
     def usage_chunk(self, final: Final) -> dict:

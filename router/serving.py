@@ -29,7 +29,8 @@ from pdserve.engine.errors import DeadlineExceededError, InvalidRequestError, Pd
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
-from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta, complete_phase
+from pdserve.engine.contract import RequestPhase
+from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta
 from pdserve.engine.output_text import OutputText
 from pdserve.router.errors import DuplicateRequestIdError
 from pdserve.router.metrics_text import RouterMetrics
@@ -82,7 +83,7 @@ class Final:
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
-    phase: dict = field(default_factory=dict)
+    phase: RequestPhase = field(default_factory=RequestPhase)
     error: PdserveError | None = None
 
 
@@ -255,7 +256,7 @@ class RequestStream:
             raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
                                         "ask for fewer tokens (max_tokens) or allow a longer deadline") from None
 
-    async def _drain(self) -> Finished | None:
+    async def _await_finished(self) -> Finished | None:
         """After an abort: the backend's Finished (for its phase record), or None if it is slow."""
         try:
             async with asyncio.timeout(FINISH_GRACE_S):
@@ -298,19 +299,19 @@ class RequestStream:
                     yield Chunk(ids, "".join(pieces), lps)
                 if not text.stopped:
                     continue
-                finished = await self._drain()
+                finished = await self._await_finished()
                 self._backend_done = True
-                item = Finished("stop", finished.phase if finished else {})
+                item = Finished("stop", finished.phase if finished else RequestPhase())
             self._backend_done = True
             break
         reason = "stop" if text.stopped else item.finish_reason
         tail = text.finish() if item.error is None else ""
         if tail:
             yield Chunk([], tail)
-        phase = complete_phase(item.phase, finish_reason=reason)
-        cached = int(phase.get("cached_prompt_tokens") or 0)
+        phase = item.phase.but(finish_reason=reason)
+        cached = phase.cached_prompt_tokens
         self._outcome = item.error.error_type if item.error is not None else reason
         if item.error is None:
             self._s.metrics.observe_finished(len(req.prompt_token_ids), cached, completion,
-                                             phase.get("ttft_s"), float(phase.get("total_s") or 0.0), gaps)
+                                             phase.ttft_s, phase.total_s, gaps)
         yield Final(reason, len(req.prompt_token_ids), cached, completion, phase, item.error)

@@ -27,7 +27,7 @@ from pdserve.cluster.workers import WorkerHandle, connect_pools, start_worker, s
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill_worker.result import PrefillResult
+from pdserve.engine.contract import PrefillResult
 from waiting import wait_until  # noqa: F401  (re-exported for the tests)
 
 READY_TIMEOUT_S = 120.0

@@ -192,7 +192,7 @@ def test_poison_past_validation_fails_on_its_first_worker_only(cluster: ClusterH
     for tokens, fin in poison:
         assert tokens == [] and fin.finish_reason == "error"
         assert isinstance(fin.error, SamplingError) and fin.error.http_status == 400, fin.error
-        assert fin.phase["attempts"] == 1 and fin.phase["migrations"] == 0, fin.phase
+        assert fin.phase.attempts == 1 and fin.phase.migrations == 0, fin.phase
     for prompt, (status, body, _) in zip(PROMPTS, valid):
         check_valid(cluster, prompt, status, body)
     assert (backend.retries, backend.migrations) == (retries_before, migrations_before)

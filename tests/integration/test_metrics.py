@@ -59,11 +59,11 @@ class Recorder:
     def record(self, uid: str) -> str:
         from dataclasses import asdict
 
-        from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RouterMetrics
+        from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RayRouterMetrics
         from pdserve.cluster.planner import PlannerDecision, ScaleAction
         from pdserve.engine.contract import WorkerRole
         from pdserve.engine.llm_engine import EngineStats
-        from pdserve.engine.sequence import PhaseRecord
+        from pdserve.engine.contract import RequestPhase
 
         engine = EngineMetrics("decode", f"{uid}-d0", "tiny")
 
@@ -80,7 +80,7 @@ class Recorder:
         # The engine restarted: its counters begin again from zero.
         engine.update_engine(EngineStats(3, 0, 0, 40, 40, 0.0, 0.0, 5, 5, 40))
 
-        engine.observe_finished(PhaseRecord(queue_s=0.002, prompt_tokens=40, cached_prompt_tokens=16,
+        engine.observe_finished(RequestPhase(queue_s=0.002, prompt_tokens=40, cached_prompt_tokens=16,
                                             prefill_s=0.03, ttft_s=0.032, output_tokens=5, decode_s=0.4,
                                             total_s=0.432, finish_reason="stop"))
         engine.observe_finished({"queue_s": 0.5, "prompt_tokens": 8, "ttft_s": None, "total_s": 0.5,
@@ -88,7 +88,7 @@ class Recorder:
         engine.observe_transfer(1_000_000, 0.004)
         engine.observe_transfer(500_000, 0.002)
 
-        router = RouterMetrics("tiny", router_id=f"{uid}-r0")
+        router = RayRouterMetrics("tiny", router_id=f"{uid}-r0")
         router.observe_request({"queue_s": 0.001, "prompt_tokens": 40, "prefill_s": 0.05, "ttft_s": 0.06,
                                 "output_tokens": 5, "decode_s": 0.1, "total_s": 0.16, "finish_reason": "length",
                                 "itl_s": [0.01, 0.02, 0.03, 0.04]})

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from pdserve.engine.contract import RequestPhase
 from pdserve.engine.errors import DeadlineExceededError
 from pdserve.router.backend import Finished, ModelInfo, TokenDelta
 from pdserve.router.serving import Chunk, Final, Serving
@@ -33,11 +34,11 @@ class ScriptedBackend:
         try:
             for tok in self.script[: req.params.max_tokens]:
                 if req.request_id in self.aborted:
-                    yield Finished("abort", {"output_tokens": 0})
+                    yield Finished("abort", RequestPhase(output_tokens=0))
                     return
                 await asyncio.sleep(self.delay_s)
                 yield TokenDelta([tok])
-            yield Finished("length", {"cached_prompt_tokens": 3, "total_s": 0.1})
+            yield Finished("length", RequestPhase(cached_prompt_tokens=3, total_s=0.1))
         finally:
             self.closed += 1
 
@@ -84,7 +85,7 @@ def test_natural_finish_flushes_text_and_reports_usage(tiny_model, tokenizer) ->
     assert "".join(e.text for e in events if isinstance(e, Chunk)) == " héllo wörld"
     final = events[-1]
     assert (final.finish_reason, final.cached_prompt_tokens, final.completion_tokens) == ("length", 3, len(script))
-    assert final.phase["kv_bytes"] == 0 and final.phase["finish_reason"] == "length"
+    assert final.phase.kv_bytes == 0 and final.phase.finish_reason == "length"
 
 
 def test_deadline_aborts_the_backend(tiny_model, tokenizer) -> None:
