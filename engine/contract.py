@@ -176,3 +176,23 @@ class PrefillResult:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one request: the token batch a decode worker hands the
+    router (``DecodeWorker.take_outputs``) and a prefill worker's progress inside its process."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] | None = None
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    phase: RequestPhase | None = None
+    error: str | None = None
+    # Set when the error is the request's own (``engine.errors.request_error`` rebuilds it): it
+    # would fail the same way on any worker, so it is not retried elsewhere.
+    error_code: str | None = None
+    # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
+    num_computed_tokens: int = 0

@@ -26,30 +26,11 @@ from pdserve.engine.model_runner import ForwardItem, ModelRunner
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.contract import RequestPhase
+from pdserve.engine.contract import RequestPhase, StepOutput  # noqa: F401  (StepOutput re-exported)
 from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 from pdserve.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, float]] | None = None
-    text_delta: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    phase: RequestPhase | None = None
-    error: str | None = None
-    # Set when the error is the request's own (``engine.errors.request_error`` rebuilds it): it
-    # would fail the same way on any worker, so it is not retried elsewhere.
-    error_code: str | None = None
-    # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
-    num_computed_tokens: int = 0
 
 
 @dataclass(slots=True)
