@@ -3,7 +3,7 @@
 Life of one entry (one placement attempt of one request):
 
 1. ``reserve``: the decode worker reserves blocks under a lease -> RESERVED (decode side holds).
-2. ``transition(TRANSFERRING, prefill_worker_id=..., prefill_blocks=...)``: a prefill worker
+2. ``transition(TRANSFERRING, prefill_worker_id=...)``: a prefill worker
    starts moving KV; from here both sides hold blocks.
 3. ``transition(LANDED)``: the transfer is confirmed; the prefill side no longer holds blocks.
 4. ``transition(DECODING)``: the request joined the decode batch (also straight from RESERVED
@@ -327,15 +327,16 @@ class KVLedger:
     ) -> LedgerEntry:
         """Move an entry to ``to_state`` atomically; raise ``InvalidTransitionError`` if illegal.
 
-        ``prefill_worker_id``/``prefill_blocks`` (only with TRANSFERRING or FAILED) record the
-        blocks the prefill side holds. ``lease_s`` sets a new deadline from now, otherwise the
+        ``prefill_worker_id`` (only with TRANSFERRING or FAILED) records that the prefill worker
+        holds blocks for the request, ``prefill_blocks`` which ones when the caller knows (the
+        router does not: the prefill worker picks them chunk by chunk). ``lease_s`` sets a new deadline from now, otherwise the
         old one stays; a caller that fails an entry and cleans it up itself should pass one, or
         a reaper may take the cleanup over. ``expect_state`` makes this a compare-and-set.
         """
         _check_id("request_id", request_id)
         to_state = LedgerState(to_state)
-        if (prefill_worker_id is None) != (prefill_blocks is None):
-            raise ValueError("prefill_worker_id and prefill_blocks go together")
+        if prefill_blocks is not None and prefill_worker_id is None:
+            raise ValueError("prefill_blocks need the prefill_worker_id that holds them")
         if prefill_worker_id is not None and to_state not in (S.TRANSFERRING, S.FAILED):
             raise ValueError(
                 f"prefill blocks go with TRANSFERRING or FAILED, not {to_state.value}"
@@ -345,7 +346,7 @@ class KVLedger:
         pw = prefill_worker_id or ""
         if prefill_worker_id is not None:
             _check_id("prefill_worker_id", prefill_worker_id)
-        pb = _blocks_json(prefill_blocks) if prefill_blocks is not None else ""
+        pb = _blocks_json(prefill_blocks or []) if prefill_worker_id is not None else ""
         reply = self._run(
             "transition", request_id, to_state.value, _SOURCES[to_state],
             expect_state.value if expect_state is not None else "", pw, pb, error or "",

@@ -308,3 +308,36 @@ def test_supervisor_restarts_a_killed_server_with_its_ledger(tmp_path) -> None:
         client.close()
         server.stop()
     assert not server.is_running()
+
+
+def test_the_routers_handoff_steps_land_in_the_ledger(redis_client, redis_namespace, caplog) -> None:
+    """The steps ``DisaggBackend`` records through ``LedgerSink`` (``cluster/ledger_writer``)
+    each land: a step the ledger refused would only be logged, so this reads every one back."""
+    import asyncio
+    import logging
+
+    from pdserve.cluster.ledger_writer import LedgerWriter
+    from pdserve.cluster.redis_guard import RedisGuard
+
+    ledger = KVLedger(redis_client, redis_namespace)
+    guard = RedisGuard(redis_client)
+    writer = LedgerWriter(ledger, guard, lease_s=30.0)
+
+    async def handoff() -> list[tuple[LedgerState, str, bool]]:
+        seen = []
+        await writer.reserve("req#1", "dec-0", [4, 5], 30.0)
+        for step, extra in ((S.TRANSFERRING, {"prefill_worker_id": "pre-0"}), (S.LANDED, {}),
+                            (S.DECODING, {}), (S.FREED, {})):
+            await writer.transition("req#1", step, **extra)
+            e = ledger.get("req#1")
+            seen.append((e.state, e.prefill_worker_id, e.prefill_held))
+        return seen
+
+    try:
+        with caplog.at_level(logging.INFO, logger="pdserve.cluster.ledger_writer"):
+            seen = asyncio.run(handoff())
+    finally:
+        guard.close()
+    assert seen == [(S.TRANSFERRING, "pre-0", True), (S.LANDED, "pre-0", False),
+                    (S.DECODING, "pre-0", False), (S.FREED, "pre-0", False)]
+    assert not [r for r in caplog.records if "skipped" in r.message or "failed" in r.message]
