@@ -45,7 +45,30 @@ _UNSUPPORTED = (
     ("logit_bias", (None, {}), "logit_bias is not supported"),
     ("tools", (None, []), "tool calling is not supported"),
     ("functions", (None, []), "function calling is not supported"),
+    ("tool_choice", (None, "none"), "tool calling is not supported"),
+    ("parallel_tool_calls", (None,), "tool calling is not supported"),
+    ("function_call", (None, "none"), "function calling is not supported"),
+    ("response_format", (None, {"type": "text"}),
+     "structured outputs are not supported yet: with response_format the text would still not be "
+     "constrained to JSON; leave it out, or ask for JSON in the prompt and validate the reply"),
+    ("guided_json", (None,), "guided decoding is not supported yet"),
+    ("guided_regex", (None,), "guided decoding is not supported yet"),
+    ("guided_choice", (None,), "guided decoding is not supported yet"),
+    ("guided_grammar", (None,), "guided decoding is not supported yet"),
+    # vLLM's sampling extensions: accepted at their neutral value (``vllm bench serve`` sends
+    # repetition_penalty 1.0), refused otherwise
+    ("repetition_penalty", (None, 1, 1.0), "repetition_penalty is not supported yet; leave it at 1"),
+    ("min_p", (None, 0, 0.0), "min_p is not supported yet; leave it at 0"),
+    ("min_tokens", (None, 0), "min_tokens is not supported yet; leave it at 0"),
+    ("store", (None, False), "storing completions is not supported; leave 'store' out"),
+    ("metadata", (None,), "metadata is kept only with stored completions, which are not supported"),
 )
+# Every request field each endpoint reads; anything else is refused by name (never ignored).
+_COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
+                            "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority"}
+                           | {name for name, _, _ in _UNSUPPORTED})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,11 +232,18 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"'model' must be a string, got {model!r}")
+    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    unknown = sorted(str(k) for k in body if k not in known)
+    if unknown:
+        other = "/v1/completions" if chat else "/v1/chat/completions"
+        where = f" (it belongs to {other})" if unknown[0] in (_COMPLETION_FIELDS | _CHAT_FIELDS) else ""
+        raise _bad(unknown[0], f"unknown parameter '{_clip(unknown[0])}'{where}: pdserve does not implement it and "
+                               f"will not ignore it silently; this endpoint accepts: {', '.join(sorted(known))}")
     for name, allowed, hint in _UNSUPPORTED:
         value = body.get(name)
         if not _is_allowed(value, allowed):
             kinds = {type(a) for a in allowed if a is not None}
-            if type(value) not in kinds:  # e.g. n: true, which Python would take for 1
+            if kinds and type(value) not in kinds:  # e.g. n: true, which Python would take for 1
                 kind = "a number" if kinds == {int, float} else " or ".join(sorted(_KIND_NAMES[k] for k in kinds))
                 raise _bad(name, f"'{name}' must be {kind}, got {type(value).__name__} {_clip(repr(value))}")
             raise _bad(name, hint)

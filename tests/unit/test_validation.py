@@ -129,6 +129,21 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
      "only text content"),
     (chat(top_logprobs=2), "top_logprobs", "needs 'logprobs': true"),
     (chat(logprobs=1), "logprobs", "true or false"),
+    # never silently ignored: unknown and unimplemented fields are refused by name
+    (completion(frequency_penaltyy=0.5), "frequency_penaltyy", "unknown parameter 'frequency_penaltyy'"),
+    (completion(messages=[]), "messages", "belongs to /v1/chat/completions"),
+    (chat(prompt="x"), "prompt", "belongs to /v1/completions"),
+    (chat(response_format={"type": "json_object"}), "response_format", "not be constrained to JSON"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "structured outputs"),
+    (completion(repetition_penalty=1.2), "repetition_penalty", "leave it at 1"),
+    (completion(min_p=0.1), "min_p", "leave it at 0"),
+    (chat(min_tokens=8), "min_tokens", "leave it at 0"),
+    (chat(tool_choice="auto"), "tool_choice", "tool calling is not supported"),
+    (chat(parallel_tool_calls=True), "parallel_tool_calls", "tool calling is not supported"),
+    (chat(store=True), "store", "not supported"),
+    (chat(metadata={"a": "b"}), "metadata", "not supported"),
+    (chat(user="u-1"), "user", "unknown parameter 'user'"),
+    (completion(guided_json={"type": "object"}), "guided_json", "guided decoding is not supported"),
 ])
 def test_invalid_bodies_name_the_field_and_the_fix(body, param, words) -> None:
     parse = parse_chat_body if isinstance(body, dict) and "messages" in body else parse_completion_body
@@ -263,3 +278,10 @@ def test_api_keys() -> None:
                           ("Bearer k3", "invalid API key"), ("Basic k1", "malformed")):
         with pytest.raises(AuthenticationError, match=words):
             auth.check(header)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted() -> None:
+    """What clients send by default (``vllm bench serve``: repetition_penalty 1.0) changes nothing."""
+    body = completion(repetition_penalty=1.0, min_p=0, min_tokens=0, n=1, presence_penalty=0, store=False)
+    assert parse_completion_body(body).prompt_text
+    assert parse_chat_body(chat(response_format={"type": "text"}, tool_choice="none")).messages
