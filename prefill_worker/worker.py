@@ -24,13 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from pdserve.engine.config import EngineConfig, EngineMode
-from pdserve.engine.contract import WorkerRole, WorkerStats
+from pdserve.engine.contract import PrefillResult, WorkerRole, WorkerStats
+from pdserve.engine.kv_events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVSender, SendState, TransferParams
 from pdserve.kv_transfer.kv_worker import KVWorker
-from pdserve.engine.contract import PrefillResult
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class PrefillWorker(KVWorker):
         self.transfer_timeout_s = transfer_timeout_s
         self.overlap_transfer = overlap_transfer
         self._jobs: dict[str, _Job] = {}
-        self._events: list[tuple[str, int]] = []
+        self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._start_loop(self._on_outputs, self._on_tick)
 
@@ -239,11 +239,11 @@ class PrefillWorker(KVWorker):
         events = self.engine.block_manager.drain_events()
         if events:
             with self._events_lock:
-                self._events.extend((e.kind.value, e.block_hash) for e in events)
+                self._events.extend(events)
 
     # ------------------------------------------------------------- status
-    def drain_kv_events(self) -> list[tuple[str, int]]:
-        """KV events since the last call: ("stored"|"removed", chain hash), for prefix-aware routing."""
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV events since the last call (a block's chain hash stored or removed), for prefix-aware routing."""
         with self._events_lock:
             events, self._events = self._events, []
         return events

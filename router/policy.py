@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.engine.contract import WorkerStats
+from pdserve.engine.kv_events import KVEvent, KVEventKind
 
 
 @dataclass(slots=True)
@@ -63,13 +64,13 @@ class RoutingDecision:
     wait_for_prefill: bool = False
 
 
-def apply_kv_events(view: WorkerView, events: Iterable[tuple[str, int]]) -> None:
+def apply_kv_events(view: WorkerView, events: Iterable[KVEvent]) -> None:
     """Track which block hashes a prefill worker holds, from its stored/removed events."""
-    for kind, block_hash in events:
-        if kind == "stored":
-            view.cached_hashes.add(block_hash)
+    for event in events:
+        if event.kind is KVEventKind.STORED:
+            view.cached_hashes.add(event.block_hash)
         else:
-            view.cached_hashes.discard(block_hash)
+            view.cached_hashes.discard(event.block_hash)
 
 
 def sooner_locally(d: WorkerView, p: WorkerView, local_tokens: int, remote_tokens: int) -> bool:

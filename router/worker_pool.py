@@ -182,7 +182,7 @@ class WorkerPool:
         try:
             stats = await asyncio.wait_for(member.actor.stats.remote(), timeout=self.stats_timeout_s)
             if member.role == "prefill":
-                events = await asyncio.wait_for(member.actor.drain_kv_events.remote(),
+                events = await asyncio.wait_for(member.actor.take_kv_events.remote(),
                                                 timeout=self.stats_timeout_s)
                 apply_kv_events(member.view, events)
         except asyncio.CancelledError:

@@ -134,3 +134,13 @@ def test_measured_rates_decide_which_side_is_sooner() -> None:
     assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker == "p0"
     prefill[0].prefill_tokens_per_s = 1000.0
     assert policy.choose(hashes, len(ids), prefill, decode).prefill_worker is None
+
+
+def test_kv_events_track_the_hashes_a_prefill_worker_holds() -> None:
+    from pdserve.engine.kv_events import KVEvent, KVEventKind
+    from pdserve.router.policy import apply_kv_events
+
+    view = WorkerView("p0", "prefill")
+    apply_kv_events(view, [KVEvent(KVEventKind.STORED, 11), KVEvent(KVEventKind.STORED, 12),
+                           KVEvent(KVEventKind.REMOVED, 11)])
+    assert view.cached_hashes == {12}
