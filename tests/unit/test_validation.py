@@ -47,7 +47,7 @@ def test_completion_body_with_every_supported_field() -> None:
     req = parse_completion_body(completion(
         max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop=["\n", "END"], stop_token_ids=[4],
         ignore_eos=True, logprobs=2, stream=True, stream_options={"include_usage": True}, priority="batch",
-        n=1, echo=False, presence_penalty=0, user="someone", some_future_field=1))
+        n=1, echo=False, presence_penalty=0))
     assert (req.prompt_text, req.max_tokens, req.stream, req.include_usage) == ("hello", 7, True, True)
     assert req.priority is Priority.BATCH
     params = req.sampling_params(req.max_tokens)
