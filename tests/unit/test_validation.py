@@ -131,7 +131,7 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (chat(logprobs=1), "logprobs", "true or false"),
     # never silently ignored: unknown and unimplemented fields are refused by name
     (completion(frequency_penaltyy=0.5), "frequency_penaltyy", "unknown parameter 'frequency_penaltyy'"),
-    (completion(messages=[]), "messages", "belongs to /v1/chat/completions"),
+    (completion(max_completion_tokens=5), "max_completion_tokens", "belongs to /v1/chat/completions"),
     (chat(prompt="x"), "prompt", "belongs to /v1/completions"),
     (chat(response_format={"type": "json_object"}), "response_format", "not be constrained to JSON"),
     (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "structured outputs"),
