@@ -1,4 +1,5 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Turns logits into tokens: penalties and min_tokens, then greedy, or temperature, top-k, top-p
+and min-p with per-request seeds; logprobs (of the adjusted distribution).
 
 Each row is sampled on its own account: a row whose logits are not finite, or whose filtered
 distribution is not a finite non-empty distribution, is reported in ``SampleResult.failed``
@@ -48,9 +49,28 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
     return ok
 
 
+def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
+    """Apply ``seq``'s penalties and ``min_tokens`` to its logits row, in place."""
+    p = seq.params
+    vocab = row.numel()
+    out = torch.tensor(seq.output_token_ids, dtype=torch.int64)
+    if p.repetition_penalty != 1.0:
+        seen = torch.unique(torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.int64), out]))
+        seen = seen[seen < vocab]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and out.numel():
+        counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if len(seq.output_token_ids) < p.min_tokens:
+        ends = [t for t in (*(() if p.ignore_eos else seq.eos_token_ids), *p.stop_token_ids) if 0 <= t < vocab]
+        if ends:
+            row[torch.tensor(ends, dtype=torch.int64)] = float("-inf")
+
+
 def _describe(seq: Sequence) -> str:
     p = seq.params
-    return f"temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p}"
+    return f"temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p}, min_p={p.min_p}"
 
 
 class Sampler:
@@ -71,6 +91,11 @@ class Sampler:
                 result.failed[i] = SamplingError(
                     f"request {seqs[i].request_id}: the model's logits are not finite (NaN or inf); "
                     "no token can be sampled for it")
+        adjust = [i for i, s in enumerate(seqs) if s.params.adjusts_logits and i not in result.failed]
+        if adjust:
+            logits = logits.clone()
+            for i in adjust:
+                _adjust_row(logits[i], seqs[i])
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy and i not in result.failed]
         if greedy_rows:
             rows = logits if len(greedy_rows) == len(seqs) else logits[greedy_rows]
@@ -113,6 +138,8 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
             raise SamplingError(
                 f"request {seq.request_id}: sampling with {_describe(seq)} gave no valid probability "

@@ -19,6 +19,8 @@ MIN_TEMPERATURE = 1e-2
 MIN_TOP_P = 1e-6
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+MAX_PENALTY = 2.0            # presence/frequency penalties, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,13 @@ class SamplingParams:
     ``temperature == 0`` means greedy, otherwise it is at least ``MIN_TEMPERATURE``.
     ``top_k == 0`` and ``top_p == 1`` disable those filters; ``top_p`` is at least ``MIN_TOP_P``.
     ``logprobs`` asks for the chosen token's log-probability plus that many top alternatives.
+    Penalties (applied to the logits before greedy or sampled choice, in this order):
+    ``repetition_penalty`` (vLLM's: a logit of a token already in the prompt or the output is
+    divided by it when positive, multiplied when negative; 1 = off), then ``frequency_penalty``
+    times how often a token occurs in the output plus ``presence_penalty`` if it occurs at all
+    (OpenAI's; subtracted, 0 = off). ``min_p`` drops tokens less likely than ``min_p`` times the
+    most likely one (sampling only). ``min_tokens``: EOS and ``stop_token_ids`` cannot end the
+    request before that many tokens (they are masked out of the choice until then).
     """
 
     max_tokens: int = 16
@@ -39,6 +48,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -53,6 +67,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or ``min_tokens`` changes this request's logits before the choice."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
     def _validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -87,6 +107,23 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequestError(f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be a number between {-MAX_PENALTY} and {MAX_PENALTY}, "
+                                          f"got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) \
+                or not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be greater than 0 and at most "
+                                      f"{MAX_REPETITION_PENALTY} (1 = off), got {rp!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be a number between 0 and 1 (0 = off), got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
                 raise InvalidRequestError(f"logprobs must be an integer, got {self.logprobs!r}")

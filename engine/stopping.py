@@ -48,9 +48,10 @@ class StopChecker:
     def check(self, seq: Sequence) -> FinishReason | None:
         """The reason ``seq`` must stop now, or None."""
         last = seq.output_token_ids[-1]
-        if not seq.params.ignore_eos and last in self._eos:
+        early = len(seq.output_token_ids) < seq.params.min_tokens   # EOS and stop ids may not end it yet
+        if not seq.params.ignore_eos and last in self._eos and not early:
             return FinishReason.STOP
-        if last in seq.params.stop_token_ids:
+        if last in seq.params.stop_token_ids and not early:
             return FinishReason.STOP
         st = self._text.get(seq.request_id)
         if st is not None and st.stopped:

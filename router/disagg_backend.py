@@ -143,7 +143,8 @@ class DisaggBackend:
         for attempt_no in range(1, self.max_attempts + 1):
             acc.attempts = attempt_no
             prompt = req.prompt_token_ids + emitted
-            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
+            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
+                             min_tokens=max(0, req.params.min_tokens - len(emitted)))
             attempt = f"{req.request_id}#{attempt_no}"
             try:
                 decision = await self._route(prompt, excluded, req.deadline, prefer)

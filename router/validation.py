@@ -16,6 +16,8 @@ from typing import Any
 from pdserve.engine.errors import ModelNotFoundError
 from pdserve.engine.sampling_params import (
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRINGS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
@@ -40,8 +42,6 @@ _UNSUPPORTED = (
     ("best_of", (None, 1), "best_of > 1 is not supported"),
     ("echo", (None, False), "echo is not supported; the prompt is not returned"),
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
-    ("presence_penalty", (None, 0, 0.0), "presence_penalty is not supported; leave it at 0"),
-    ("frequency_penalty", (None, 0, 0.0), "frequency_penalty is not supported; leave it at 0"),
     ("logit_bias", (None, {}), "logit_bias is not supported"),
     ("tools", (None, []), "tool calling is not supported"),
     ("functions", (None, []), "function calling is not supported"),
@@ -55,17 +55,14 @@ _UNSUPPORTED = (
     ("guided_regex", (None,), "guided decoding is not supported yet"),
     ("guided_choice", (None,), "guided decoding is not supported yet"),
     ("guided_grammar", (None,), "guided decoding is not supported yet"),
-    # vLLM's sampling extensions: accepted at their neutral value (``vllm bench serve`` sends
-    # repetition_penalty 1.0), refused otherwise
-    ("repetition_penalty", (None, 1, 1.0), "repetition_penalty is not supported yet; leave it at 1"),
-    ("min_p", (None, 0, 0.0), "min_p is not supported yet; leave it at 0"),
-    ("min_tokens", (None, 0), "min_tokens is not supported yet; leave it at 0"),
     ("store", (None, False), "storing completions is not supported; leave 'store' out"),
     ("metadata", (None,), "metadata is kept only with stored completions, which are not supported"),
 )
 # Every request field each endpoint reads; anything else is refused by name (never ignored).
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
-                            "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority"}
+                            "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                            "min_tokens"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -212,6 +209,22 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     ignore_eos = _opt_bool(body, "ignore_eos")
     if ignore_eos:
         out["ignore_eos"] = True
+    for name, lo, hi in (("presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+                         ("frequency_penalty", -MAX_PENALTY, MAX_PENALTY), ("min_p", 0.0, 1.0)):
+        value = _opt_number(body, name)
+        if value is not None:
+            if not lo <= value <= hi:
+                raise _bad(name, f"'{name}' must be between {lo:g} and {hi:g}, got {value}")
+            out[name] = float(value)
+    rp = _opt_number(body, "repetition_penalty")
+    if rp is not None:
+        if not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise _bad("repetition_penalty", f"'repetition_penalty' must be greater than 0 and at most "
+                                             f"{MAX_REPETITION_PENALTY:g} (1 = off), got {rp}")
+        out["repetition_penalty"] = float(rp)
+    min_tokens = _opt_int(body, "min_tokens", lo=0)
+    if min_tokens:
+        out["min_tokens"] = min_tokens
     if chat:
         wants = _opt_bool(body, "logprobs")
         top = _opt_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)

@@ -459,3 +459,25 @@ def test_closing_the_backend_ends_every_stream_with_an_error_and_frees_its_block
     assert len(during) < long.max_tokens  # cut short, not run to the end
     assert len(after) == 1 and after[0].finish_reason == "error" and "shutting down" in str(after[0].error)
     assert backend.num_active == 0 and engine.block_manager.all_free()
+
+
+def test_min_tokens_and_penalties_work_through_the_api(stack: Stack) -> None:
+    """min_tokens keeps a stop token id from ending the request early; a repetition penalty
+    changes the greedy text (random-weight models repeat themselves); neither is ignored."""
+    client = stack.client()
+    prompt = PROMPTS[0]
+    _, expected = stack.ref[prompt]
+    first = expected[0]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
+                                  extra_body={"stop_token_ids": [first]})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
+                                  extra_body={"stop_token_ids": [first], "min_tokens": 4})
+    ids = r.pdserve["token_ids"]
+    assert len(ids) >= 4 and first not in ids[:4]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0)
+    assert plain.pdserve["token_ids"] == expected
+    penalized = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
+                                          frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    assert penalized.pdserve["token_ids"] != expected
+    stack.wait_idle()

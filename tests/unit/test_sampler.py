@@ -81,3 +81,59 @@ def test_finite_rows_whose_sum_overflows_still_sample_and_inf_rows_fail() -> Non
     result = Sampler().sample(logits, seqs)
     assert sorted(result.failed) == [1, 2]
     assert result.tokens[0] == 9
+
+
+# ------------------------------------------------------------- penalties, min_p, min_tokens
+def _seq(params: SamplingParams, prompt: list[int], output: list[int], eos: frozenset[int] = frozenset()):
+    seq = seq_with("pen", params)
+    seq.prompt_token_ids = list(prompt)
+    seq.output_token_ids = list(output)
+    seq.eos_token_ids = eos
+    return seq
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 2.0, -1.0, 1.9   # 3 seen in the prompt, 4 in the output
+    seq = _seq(SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=2.0), [3, 7], [4])
+    assert Sampler().sample(logits, [seq]).tokens == [5]          # 2.0 / 2 = 1.0 < 1.9
+    plain = _seq(SamplingParams(max_tokens=4, temperature=0.0), [3, 7], [4])
+    assert Sampler().sample(logits, [plain]).tokens == [3]        # the penalty is what changed it
+
+
+def test_frequency_and_presence_penalties_subtract_per_output_occurrence() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 8], logits[0, 9] = 3.0, 1.5
+    params = SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.6,
+                            logprobs=1)
+    # token 8 occurred twice in the output: 3.0 - 2 * 0.5 - 0.6 = 1.4 < 1.5
+    result = Sampler().sample(logits, [_seq(params, [8, 8, 8], [8, 8])])
+    assert result.tokens == [9]
+    lp = torch.log_softmax(torch.cat([logits[0, :8], torch.tensor([1.4]), logits[0, 9:]]), dim=-1)
+    assert result.logprobs[0][9] == pytest.approx(float(lp[9]), abs=1e-5)   # logprobs of the adjusted row
+    # prompt occurrences do not count for these two (OpenAI's definition)
+    assert Sampler().sample(logits, [_seq(params, [8, 8, 8], [])]).tokens == [8]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1], logits[0, 2], logits[0, 6] = 5.0, 4.0, 1.0      # 1 is EOS, 2 a stop token id
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3, stop_token_ids=(2,))
+    assert Sampler().sample(logits, [_seq(params, [10], [6, 6], eos=frozenset({1}))]).tokens == [6]
+    assert Sampler().sample(logits, [_seq(params, [10], [6, 6, 6], eos=frozenset({1}))]).tokens == [1]
+    ignore = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler().sample(logits, [_seq(ignore, [10], [], eos=frozenset({1}))]).tokens == [1]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability() -> None:
+    logits = torch.full((1, VOCAB), -20.0)
+    logits[0, 11], logits[0, 12], logits[0, 13] = 2.0, 1.9, -1.0   # p(13) is ~0.05 of p(11)
+    params = SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2)
+    drawn = {Sampler(seed=s).sample(logits, [_seq(params, [1], [])]).tokens[0] for s in range(40)}
+    assert drawn <= {11, 12} and len(drawn) == 2
+    loose = SamplingParams(max_tokens=4, temperature=1.0, seed=None)
+    seen = set()
+    sampler = Sampler(seed=0)
+    for _ in range(400):
+        seen.add(sampler.sample(logits, [_seq(loose, [1], [])]).tokens[0])
+    assert 13 in seen                                              # without min_p it does get drawn

@@ -118,7 +118,11 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(logprobs=21), "logprobs", "at most 20"),
     (completion(n=2), "n", "n > 1 is not supported"),
     (completion(echo=True), "echo", "echo is not supported"),
-    (completion(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (completion(presence_penalty=2.5), "presence_penalty", "between -2 and 2"),
+    (chat(frequency_penalty=-3), "frequency_penalty", "between -2 and 2"),
+    (completion(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+    (completion(min_p=1.5), "min_p", "between 0 and 1"),
+    (chat(min_tokens=-1), "min_tokens", "at least 0"),
     (completion(priority="urgent"), "priority", "interactive"),
     (completion(model=3), "model", "must be a string"),
     (chat(messages=[]), "messages", "non-empty list"),
@@ -135,9 +139,6 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (chat(prompt="x"), "prompt", "belongs to /v1/completions"),
     (chat(response_format={"type": "json_object"}), "response_format", "not be constrained to JSON"),
     (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "structured outputs"),
-    (completion(repetition_penalty=1.2), "repetition_penalty", "leave it at 1"),
-    (completion(min_p=0.1), "min_p", "leave it at 0"),
-    (chat(min_tokens=8), "min_tokens", "leave it at 0"),
     (chat(tool_choice="auto"), "tool_choice", "tool calling is not supported"),
     (chat(parallel_tool_calls=True), "parallel_tool_calls", "tool calling is not supported"),
     (chat(store=True), "store", "not supported"),
@@ -281,7 +282,20 @@ def test_api_keys() -> None:
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted() -> None:
-    """What clients send by default (``vllm bench serve``: repetition_penalty 1.0) changes nothing."""
-    body = completion(repetition_penalty=1.0, min_p=0, min_tokens=0, n=1, presence_penalty=0, store=False)
+    """What clients send by default changes nothing."""
+    body = completion(n=1, echo=False, store=False)
     assert parse_completion_body(body).prompt_text
     assert parse_chat_body(chat(response_format={"type": "text"}, tool_choice="none")).messages
+
+
+def test_penalties_min_p_and_min_tokens_reach_the_sampling_params() -> None:
+    req = parse_chat_body(chat(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.05,
+                               min_tokens=3))
+    params = req.sampling_params(8)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
+            params.min_tokens) == (0.5, -0.25, 1.2, 0.05, 3)
+    assert params.adjusts_logits
+    neutral = parse_completion_body(completion(repetition_penalty=1.0, min_p=0, min_tokens=0, presence_penalty=0))
+    assert not neutral.sampling_params(8).adjusts_logits      # vllm bench serve sends repetition_penalty 1.0
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        parse_chat_body(chat(min_tokens=9)).sampling_params(8)
