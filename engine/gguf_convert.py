@@ -20,7 +20,6 @@ conversion writes the same bytes. ``ensure_gguf_model`` caches it under the mode
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.errors import ModelLoadError, UnsupportedModelError
+from pdserve.engine.model_cache import cached_model, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -285,33 +285,11 @@ def gguf_cache_key(path: Path, dtype: str) -> str:
 def ensure_gguf_model(path: str | Path, dtype: str = "float32", cache_dir: str | Path | None = None) -> Path:
     """The converted directory of ``path`` in the model cache, converting it on first use (a file
     lock serialises processes that race; the result is renamed into place only when complete)."""
-    from pdserve.engine.testmodel import default_cache_dir
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = gguf_cache_key(path, dtype)
-    final = root / key
-    if (final / "model.safetensors").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / f".{key}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "model.safetensors").is_file():
-                return final
-            convert_gguf(path, final, dtype)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    final, _ = cached_model(root, gguf_cache_key(path, dtype), lambda tmp: _write_hf(read_gguf(path), tmp, dtype))
     return final
-
-
-def resolve_model_path(path: str | Path, dtype: str = "float32") -> Path:
-    """A model directory as is; a ``.gguf`` file converted (once, cached) into one."""
-    p = Path(path)
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return ensure_gguf_model(p, dtype)
-    return p

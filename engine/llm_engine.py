@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
@@ -26,7 +26,7 @@ from pdserve.engine.model_runner import ForwardItem, ModelRunner
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.contract import RequestPhase, StepOutput  # noqa: F401  (StepOutput re-exported)
+from pdserve.engine.contract import StepOutput  # noqa: F401  (re-exported: the type the engine produces)
 from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 from pdserve.engine.stopping import StopChecker
 

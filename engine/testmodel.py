@@ -18,20 +18,17 @@ other logits) and the head is scaled for a logit std of ~4: clear top-1/top-2 ga
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
-import shutil
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.model_cache import cached_model, default_cache_dir  # noqa: F401  (re-exported)
 from pdserve.engine import tokenizer_train as tt
 
 logger = logging.getLogger(__name__)
@@ -236,16 +233,6 @@ def make_model(
     return out
 
 
-def default_cache_dir() -> Path:
-    """``$PDSERVE_MODEL_CACHE``, else ``<repo>/.cache/models`` in a source checkout, else the user cache."""
-    if env := os.environ.get("PDSERVE_MODEL_CACHE"):
-        return Path(env)
-    repo = Path(__file__).resolve().parents[1]
-    if (repo / "pyproject.toml").is_file():
-        return repo / ".cache" / "models"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "models"
-
-
 def cache_key(preset: str, arch: str = "llama", *, seed: int = 0, rope_scaling: dict | None = None) -> str:
     """Directory name of a cached model; changes with GENERATOR_VERSION, the corpus and the options."""
     _check_args(preset, arch, rope_scaling)
@@ -269,28 +256,9 @@ def ensure_model(
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(preset, arch, seed=seed, rope_scaling=rope_scaling)
-    final = root / key
-    if (final / "model.safetensors").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / f".{key}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "model.safetensors").is_file():
-                return final
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-            try:
-                make_model(tmp, preset, arch, seed, rope_scaling=rope_scaling)
-                try:
-                    os.rename(tmp, final)
-                except OSError:  # someone who ignores the lock got there first
-                    if not (final / "model.safetensors").is_file():
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    logger.info("generated test model %s", final)
+    final, built = cached_model(root, key, lambda tmp: make_model(tmp, preset, arch, seed, rope_scaling=rope_scaling))
+    if built:
+        logger.info("generated test model %s", final)
     return final
 
 

@@ -22,9 +22,8 @@ import contextlib
 import os
 import signal
 import threading
-import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
