@@ -7,6 +7,7 @@ import json
 import sys
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.engine.contract import RequestPhase, RequestRecord
 
 
 def load_cli_config(config_path: str | None, model: str | None, overrides: list[str]) -> ClusterConfig:
@@ -112,17 +113,19 @@ def _requests(args: argparse.Namespace) -> int:
     return 0
 
 
-def _format_request(r: dict) -> str:
-    ttft = r.get("ttft_s")
+def _format_request(entry: dict) -> str:
+    rec = RequestRecord.from_dict(entry)
+    ph = rec.phase or RequestPhase()
+    ttft = ph.ttft_s
     # The id the client knows (its own, or the one its response carried) leads the line; the
     # server's internal id is in the --json record.
-    shown = r.get("client_request_id") or r.get("request_id", "?")
-    return (f"{shown:40s} {r.get('finish_reason', '?'):7s} "
-            f"prompt {r.get('prompt_tokens', 0):5d} (cached {r.get('cached_prompt_tokens', 0):5d}) "
-            f"out {r.get('output_tokens', 0):5d}  ttft {'-' if ttft is None else f'{ttft:.3f}s'}  "
-            f"total {r.get('total_s', 0):.3f}s  kv {r.get('kv_bytes', 0) / 1e6:.2f}MB/{r.get('kv_transfer_s', 0):.4f}s  "
-            f"P={r.get('prefill_worker', '')} D={r.get('decode_worker', '')} attempts {r.get('attempts', 1)}"
-            + (f"  error: {r['error']}" if r.get("error") else ""))
+    shown = rec.client_request_id or rec.request_id or "?"
+    return (f"{shown:40s} {rec.outcome or '?':9s} "
+            f"prompt {ph.prompt_tokens:5d} (cached {ph.cached_prompt_tokens:5d}) "
+            f"out {ph.output_tokens:5d}  ttft {'-' if ttft is None else f'{ttft:.3f}s'}  "
+            f"total {ph.total_s:.3f}s  kv {ph.kv_bytes / 1e6:.2f}MB/{ph.kv_transfer_s:.4f}s  "
+            f"P={ph.prefill_worker} D={ph.decode_worker} attempts {ph.attempts}"
+            + (f"  error: {rec.error}" if rec.error else ""))
 
 
 def _demo(args: argparse.Namespace) -> int:

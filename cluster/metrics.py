@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.cluster.planner import PlannerDecision
     from pdserve.engine.llm_engine import EngineStats
-    from pdserve.engine.contract import RequestPhase
+    from pdserve.engine.contract import RequestPhase, RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -351,11 +351,11 @@ class RayRouterMetrics:
         self.tags = {"role": "router", "worker_id": _label(router_id, "router_id"),
                      "model": _label(model, "model")}
 
-    def observe_request(self, phase: RequestPhase | Mapping[str, Any],
-                        itl_s: Iterable[float] | None = None) -> None:
-        """Record one finished request; inter-token gaps from ``itl_s`` or the phase's ``itl_s`` key."""
-        data = _as_mapping(phase)
-        _observe_request(self.tags, data, itl_s if itl_s is not None else data.get("itl_s") or ())
+    def request_ended(self, record: RequestRecord) -> None:
+        """A ``RequestObserver`` (``router/request_observer.py``): record one request that a worker
+        ran (its phase is known), with the gaps between the chunks its client was sent."""
+        if record.phase is not None:
+            _observe_request(self.tags, _as_mapping(record.phase), record.itl_s)
 
     def set_in_flight(self, running: int, waiting: int = 0) -> None:
         """Requests the router is serving, and those it queued (admission) before sending."""

@@ -12,10 +12,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine.contract import WorkerRole, WorkerStats
+from pdserve.engine.contract import RequestRecord, WorkerRole, WorkerStats
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ledger import KVLedger, Side
 from pdserve.cluster.ledger_writer import LedgerWriter
@@ -27,7 +26,7 @@ from pdserve.cluster.request_log import RequestLog
 from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeyAuth, grpc_server_credentials, server_ssl_context
-from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
+from pdserve.router.backend import ModelInfo
 from pdserve.router.disagg_backend import DisaggBackend
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
@@ -38,38 +37,21 @@ from pdserve.router.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 
-class _LoggedBackend:
-    """Appends every finished request's record to the Redis request log (``pdserve requests tail``)."""
+class _RequestLogWriter:
+    """A ``RequestObserver``: appends every request a worker ran (completed, failed or cancelled)
+    to the Redis request log (``pdserve requests tail``), off the request's path."""
 
-    def __init__(self, inner: DisaggBackend, log: RequestLog | None, metrics=None,
-                 guard: RedisGuard | None = None) -> None:
-        self._inner = inner
+    def __init__(self, log: RequestLog, guard: RedisGuard | None = None) -> None:
         self._log = log
-        self._metrics = metrics
         self._guard = guard
+        self._pending: set[asyncio.Task] = set()
 
-    def model_info(self) -> ModelInfo:
-        return self._inner.model_info()
-
-    async def health(self) -> bool:
-        return await self._inner.health()
-
-    async def abort(self, request_id: str) -> None:
-        await self._inner.abort(request_id)
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
-        async for item in self._inner.generate(req):
-            if isinstance(item, Finished) and self._metrics is not None:
-                try:
-                    self._metrics.observe_request(item.phase)
-                except Exception:
-                    logger.exception("router metrics failed")
-            if isinstance(item, Finished) and self._log is not None:
-                record = {"request_id": req.request_id, "client_request_id": req.client_id, "finish_reason": item.finish_reason,
-                          "error": str(item.error) if item.error else None, "priority": req.priority.name.lower(),
-                          "max_tokens": req.params.max_tokens, "time": time.time(), **item.phase.to_dict()}
-                asyncio.get_running_loop().create_task(self._append(record))
-            yield item
+    def request_ended(self, record: RequestRecord) -> None:
+        if record.phase is None:
+            return  # refused before any worker ran it: the rejection log has it
+        task = asyncio.get_running_loop().create_task(self._append(record.to_dict()))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _append(self, record: dict) -> None:
         try:
@@ -164,9 +146,10 @@ class RouterService:
 
         self.metrics = RayRouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
-        self.serving = Serving(_LoggedBackend(self.backend, self.request_log, self.metrics, self.redis_guard),
-                               admission=admission, limits=ServingLimits(cfg.router.request_timeout_s,
-                                                                         cfg.router.max_tokens_limit))
+        observers = [self.metrics] + ([_RequestLogWriter(self.request_log, self.redis_guard)]
+                                      if self.request_log is not None else [])
+        self.serving = Serving(self.backend, observers=observers, admission=admission,
+                               limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router

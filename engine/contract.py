@@ -140,6 +140,56 @@ class RequestPhase:
         return replace(self, **changes)
 
 
+_PHASE_FIELDS = frozenset(RequestPhase.__slots__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request as it ended, seen from the router: what the router's metrics record and what
+    the request log (Redis, read by ``pdserve requests tail``) keeps, as ``to_dict()``.
+
+    ``outcome`` is the finish reason (``stop``/``length``), the error's type, or ``cancelled``
+    when the client left first; ``phase`` is None when the request ended before a worker ran it
+    (refused at admission). ``itl_s``, the gaps between the chunks the client was sent, feeds
+    the metrics and is not logged."""
+
+    request_id: str
+    client_request_id: str
+    api: str
+    outcome: str
+    priority: str = "interactive"
+    max_tokens: int = 0
+    time: float = 0.0
+    error: str | None = None
+    phase: RequestPhase | None = None
+    itl_s: tuple[float, ...] = ()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.phase is None else self.phase.finish_reason
+
+    def to_dict(self) -> dict[str, object]:
+        """The request log's entry: the identity, outcome and limits, then the phase's fields."""
+        out: dict[str, object] = {
+            "request_id": self.request_id, "client_request_id": self.client_request_id, "api": self.api,
+            "outcome": self.outcome, "finish_reason": self.finish_reason, "error": self.error,
+            "priority": self.priority, "max_tokens": self.max_tokens, "time": self.time}
+        if self.phase is not None:
+            out.update(self.phase.to_dict())
+            out["finish_reason"] = self.phase.finish_reason
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> RequestRecord:
+        """A logged entry read back (unknown keys, written by a newer router, are ignored)."""
+        phase_fields = {k: v for k, v in d.items() if k in _PHASE_FIELDS}
+        phase = RequestPhase(**phase_fields) if "total_s" in phase_fields else None
+        return cls(request_id=str(d.get("request_id", "")), client_request_id=str(d.get("client_request_id") or ""),
+                   api=str(d.get("api", "")), outcome=str(d.get("outcome") or d.get("finish_reason") or ""),
+                   priority=str(d.get("priority", "interactive")), max_tokens=int(d.get("max_tokens") or 0),
+                   time=float(d.get("time") or 0.0), error=d.get("error"), phase=phase)
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """What a prefill worker returns to the router for one request: the first token and what it cost.

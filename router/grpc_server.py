@@ -27,7 +27,8 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
-from pdserve.router.serving import Final, Serving, client_scope
+from pdserve.router.backend import Finished
+from pdserve.router.serving import Serving, client_scope
 from pdserve.router.validation import ParsedRequest, check_request_id, max_prompt_chars, parse_generate_fields
 
 logger = logging.getLogger(__name__)
@@ -157,14 +158,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             scope = client_scope(self._metadata(context).get("authorization")) if self._auth.enabled else ""
             async with self._serving.stream(prepared, api="grpc", deadline=deadline, scope=scope) as events:
                 async for ev in events:
-                    if not isinstance(ev, Final):
+                    if not isinstance(ev, Finished):
                         lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
                         yield pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text, logprobs=lps)
                         continue
                     if ev.error is not None:
                         raise ev.error
-                    usage = pb.Usage(prompt_tokens=ev.prompt_tokens, cached_prompt_tokens=ev.cached_prompt_tokens,
-                                     completion_tokens=ev.completion_tokens)
+                    ph = ev.phase
+                    usage = pb.Usage(prompt_tokens=ph.prompt_tokens, cached_prompt_tokens=ph.cached_prompt_tokens,
+                                     completion_tokens=ph.output_tokens)
                     yield pb.GenerateResponse(request_id=rid, final=pb.FinalInfo(
                         finish_reason=_FINISH[ev.finish_reason], usage=usage, phase=_phase_message(ev.phase)))
         except (asyncio.CancelledError, grpc.aio.AbortError):

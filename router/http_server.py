@@ -27,7 +27,8 @@ from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.http_body import check_content_type, parse_json, read_body
 from pdserve.router.openai_format import ResponseBuilder
 from pdserve.router.rejection_log import RejectionLog
-from pdserve.router.serving import Chunk, Final, Serving, client_scope
+from pdserve.router.backend import Finished
+from pdserve.router.serving import Chunk, Serving, client_scope
 from pdserve.router.validation import ParsedRequest, check_request_id, parse_chat_body, parse_completion_body
 
 logger = logging.getLogger(__name__)
@@ -123,14 +124,14 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
         if not parsed.stream:
             chunks: list[Chunk] = []
             async for ev in events:
-                if isinstance(ev, Final):
+                if isinstance(ev, Finished):
                     if ev.error is not None:
                         raise ev.error
                     return web.json_response(builder.full(chunks, ev), headers={"X-Request-Id": client_id})
                 chunks.append(ev)
             raise PdserveError("the request ended without a final result")
         first = await anext(events)
-        if isinstance(first, Final) and first.error is not None:
+        if isinstance(first, Finished) and first.error is not None:
             raise first.error  # nothing sent yet: answer with the error's own status
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": client_id})
@@ -139,8 +140,8 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
         return resp
 
 
-async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first: Chunk | Final,
-                       events: AsyncIterator[Chunk | Final], include_usage: bool) -> None:
+async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first: Chunk | Finished,
+                       events: AsyncIterator[Chunk | Finished], include_usage: bool) -> None:
     """Server-sent events after the headers went out; a failure now becomes an error event."""
 
     async def send(body: dict) -> None:
@@ -151,7 +152,7 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
         if opening is not None:
             await send(opening)
         ev = first
-        while not isinstance(ev, Final):
+        while not isinstance(ev, Finished):
             await send(builder.chunk(ev))
             ev = await anext(events)
         if ev.error is not None:

@@ -1,7 +1,8 @@
 """The router's counters, served as Prometheus text on ``/metrics``.
 
 Labels stay low-cardinality: ``api`` (http | grpc) and ``outcome`` (a finish reason or an
-error type). Core code calls ``observe_*``; ``render`` writes the exposition format.
+error type). ``Serving`` hands it every request's ``RequestRecord`` (it is the first
+``RequestObserver``); ``render`` writes the exposition format.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+
+from pdserve.engine.contract import RequestRecord
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -52,22 +55,22 @@ class RouterMetrics:
         """A value read at scrape time (e.g. requests in flight)."""
         self._gauges[name] = read
 
-    def observe_request(self, api: str, outcome: str) -> None:
+    def request_ended(self, record: RequestRecord) -> None:
+        """Count the request by API and outcome; a request that completed (its phase is known and it
+        ended without error) adds its tokens, TTFT, duration and inter-chunk gaps."""
+        phase = record.phase
         with self._lock:
-            self._requests[(api, outcome)] += 1
-
-    def observe_finished(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                         ttft_s: float | None, total_s: float, itl_s: Sequence[float] = ()) -> None:
-        """One finished request; ``itl_s``: the gaps between its consecutive token chunks."""
-        with self._lock:
-            for gap in itl_s:
+            self._requests[(record.api, record.outcome)] += 1
+            if phase is None or record.error is not None or record.outcome == "cancelled":
+                return
+            for gap in record.itl_s:
                 self._itl.observe(gap)
-            self._tokens["prompt"] += prompt_tokens
-            self._tokens["cached_prompt"] += cached_tokens
-            self._tokens["completion"] += completion_tokens
-            if ttft_s is not None:
-                self._ttft.observe(ttft_s)
-            self._e2e.observe(total_s)
+            self._tokens["prompt"] += phase.prompt_tokens
+            self._tokens["cached_prompt"] += phase.cached_prompt_tokens
+            self._tokens["completion"] += phase.output_tokens
+            if phase.ttft_s is not None:
+                self._ttft.observe(phase.ttft_s)
+            self._e2e.observe(phase.total_s)
 
     def render(self) -> str:
         p = "pdserve_router_"

@@ -10,18 +10,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.router.serving import Chunk, Final
+from pdserve.router.backend import Finished
+from pdserve.router.serving import Chunk
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def usage_body(final: Final) -> dict:
+def usage_body(final: Finished) -> dict:
+    """OpenAI's usage from the phase record (``Serving`` counts the tokens the client was sent)."""
+    ph = final.phase
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens},
+        "prompt_tokens": ph.prompt_tokens,
+        "completion_tokens": ph.output_tokens,
+        "total_tokens": ph.prompt_tokens + ph.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": ph.cached_prompt_tokens},
     }
 
 
@@ -71,7 +74,7 @@ class ResponseBuilder:
             self._text_offset += len(s)
         return body
 
-    def full(self, chunks: list[Chunk], final: Final) -> dict:
+    def full(self, chunks: list[Chunk], final: Finished) -> dict:
         """The body of a non-streaming response."""
         text = "".join(c.text for c in chunks)
         choice: dict = {"index": 0, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
@@ -105,7 +108,7 @@ class ResponseBuilder:
         body["pdserve"] = {"token_ids": chunk.token_ids}
         return body
 
-    def final_chunk(self, final: Final) -> dict:
+    def final_chunk(self, final: Finished) -> dict:
         choice: dict = {"index": 0, "logprobs": None, "finish_reason": final.finish_reason}
         if self.chat:
             choice["delta"] = {}
@@ -116,7 +119,7 @@ class ResponseBuilder:
         body["pdserve"] = {"request_id": self.request_id, "token_ids": [], "phase": final.phase.to_dict()}
         return body
 
-    def usage_chunk(self, final: Final) -> dict:
+    def usage_chunk(self, final: Finished) -> dict:
         body = self._envelope(stream=True)
         body.update(choices=[], usage=usage_body(final))
         return body

@@ -7,12 +7,16 @@
 2. ``stream`` (an async context manager): claim the client's id in its scope (a live duplicate
    is ``DuplicateRequestIdError``: 409 / ALREADY_EXISTS), take an admission slot
    (``OverloadedError`` when full), start the backend request under the server id, and yield
-   ``Chunk`` s and one closing ``Final``. Text is detokenized here; a stop string ends the
+   ``Chunk`` s and one closing ``Finished`` (its phase record counts the tokens the client got).
+   Text is detokenized here; a stop string ends the
    request as "stop" and the backend request is aborted. The deadline is the earlier of the
    client's and ``ServingLimits.request_timeout_s``; when it passes the request is aborted and
    ``DeadlineExceededError`` raised (504 / DEADLINE_EXCEEDED).
 3. Leaving the context early (client gone, task cancelled, error) aborts the backend request,
    so the engine frees its blocks; the slot and the client id are always released.
+4. Every request that reached ``stream``, refused, failed, cancelled or complete, ends as one
+   ``RequestRecord`` handed to the observers (``router/request_observer.py``): the metrics and,
+   in a cluster, the request log.
 """
 
 from __future__ import annotations
@@ -22,18 +26,19 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from pdserve.engine.errors import DeadlineExceededError, InvalidRequestError, PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
-from pdserve.engine.contract import RequestPhase
+from pdserve.engine.contract import RequestPhase, RequestRecord
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta
 from pdserve.engine.output_text import OutputText
 from pdserve.router.errors import DuplicateRequestIdError
 from pdserve.router.metrics_text import RouterMetrics
+from pdserve.router.request_observer import RequestObserver, tell_all
 from pdserve.router.validation import (
     ParsedRequest,
     check_model,
@@ -77,25 +82,18 @@ class Chunk:
     logprobs: list[dict[int, float]] | None = None
 
 
-@dataclass(slots=True)
-class Final:
-    finish_reason: str
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-    phase: RequestPhase = field(default_factory=RequestPhase)
-    error: PdserveError | None = None
-
-
 class Serving:
     def __init__(self, backend: Backend, *, admission: Admission | None = None,
-                 metrics: RouterMetrics | None = None, tokenizer=None, limits: ServingLimits | None = None) -> None:
+                 metrics: RouterMetrics | None = None, observers: Sequence[RequestObserver] = (),
+                 tokenizer=None, limits: ServingLimits | None = None) -> None:
+        """``metrics`` is the router's ``/metrics`` text; ``observers`` also hear of every request's end."""
         self.backend = backend
         self.info = backend.model_info()
         self.admission = admission or Admission()
         self.limits = limits or ServingLimits()
         self._live_ids: dict[tuple[str, str], str] = {}  # (scope, client id) -> server id, in flight
         self.metrics = metrics or RouterMetrics()
+        self.observers: list[RequestObserver] = [self.metrics, *observers]
         if tokenizer is None:
             from pdserve.engine.tokenizer import load_tokenizer
 
@@ -185,8 +183,12 @@ class RequestStream:
         self._events_gen: AsyncIterator | None = None
         self._backend_done = False
         self._outcome = "cancelled"
+        self._finished: Finished | None = None  # the backend's, or the one the client got
+        self._error: PdserveError | None = None
+        self._gaps: list[float] = []
+        self._late_step: asyncio.Future | None = None  # the backend's next item, when the deadline or the client left first
 
-    async def __aenter__(self) -> AsyncIterator[Chunk | Final]:
+    async def __aenter__(self) -> AsyncIterator[Chunk | Finished]:
         if self._deadline is not None and self._deadline <= time.monotonic():
             raise DeadlineExceededError("the request's deadline passed before it was admitted")
         try:
@@ -204,7 +206,8 @@ class RequestStream:
         except BaseException as exc:
             self._release_id()
             if isinstance(exc, PdserveError):
-                self._s.metrics.observe_request(self._api, exc.error_type)
+                self._outcome, self._error = exc.error_type, exc
+            self._tell_observers()
             raise
         r = self._req
         self._gen = self._s.backend.generate(
@@ -221,12 +224,26 @@ class RequestStream:
             self._s.admission.release()
             self._release_id()
             if isinstance(exc, PdserveError):
-                self._outcome = exc.error_type
-            self._s.metrics.observe_request(self._api, self._outcome)
+                self._outcome, self._error = exc.error_type, exc
+            self._tell_observers()
+
+    def _tell_observers(self) -> None:
+        r, f = self._req, self._finished
+        phase = None if f is None else f.phase
+        error = self._error if self._error is not None else (None if f is None else f.error)
+        tell_all(self._s.observers, RequestRecord(
+            request_id=r.request_id, client_request_id=r.client_id, api=self._api, outcome=self._outcome,
+            priority=r.priority.name.lower(), max_tokens=r.params.max_tokens, time=time.time(),
+            error=None if error is None else str(error), phase=phase, itl_s=tuple(self._gaps)))
 
     async def _close_backend(self) -> None:
         if not self._backend_done:
             await self._s.backend.abort(self._req.request_id)
+            # The aborted request's own record (its workers, what it had produced) for the log.
+            finished = await self._await_finished()
+            if finished is not None and self._finished is None:
+                self._finished = Finished(finished.finish_reason, finished.phase.but(
+                    finish_reason=finished.finish_reason), finished.error)
         if self._events_gen is not None:
             await self._events_gen.aclose()
         if self._gen is not None:
@@ -247,32 +264,43 @@ class RequestStream:
         return asyncio.get_running_loop().time() + (self._deadline - time.monotonic())
 
     async def _next(self) -> TokenDelta | Finished:
-        if self._deadline is None:
-            return await anext(self._gen)
+        # The backend's next item runs as a task of its own, so that neither a passed deadline nor
+        # a client that leaves cancels the backend midway: the request is aborted and the backend
+        # ends it, with its phase record for the log (``_close_backend``).
+        step = asyncio.ensure_future(anext(self._gen))
+        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         try:
-            async with asyncio.timeout_at(self._loop_deadline()):
-                return await anext(self._gen)
-        except TimeoutError:
-            raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
-                                        "ask for fewer tokens (max_tokens) or allow a longer deadline") from None
+            done, _ = await asyncio.wait({step}, timeout=timeout)
+        except asyncio.CancelledError:
+            self._late_step = step
+            raise
+        if done:
+            return step.result()
+        self._late_step = step
+        raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
+                                    "ask for fewer tokens (max_tokens) or allow a longer deadline")
 
     async def _await_finished(self) -> Finished | None:
         """After an abort: the backend's Finished (for its phase record), or None if it is slow."""
         try:
             async with asyncio.timeout(FINISH_GRACE_S):
+                step, self._late_step = self._late_step, None
                 while True:
-                    item = await anext(self._gen)
+                    item = await (step if step is not None else anext(self._gen))
+                    step = None
                     if isinstance(item, Finished):
                         return item
         except (TimeoutError, StopAsyncIteration):
             logger.warning("request %s: no Finished from the backend after abort", self._req.request_id)
-            return None
+        except Exception as exc:  # the stream already ended badly (its error was reported)
+            logger.debug("request %s: no Finished after abort: %s", self._req.request_id, exc)
+        return None
 
-    async def _events(self) -> AsyncIterator[Chunk | Final]:
+    async def _events(self) -> AsyncIterator[Chunk | Finished]:
         req = self._req
         text = OutputText(self._s.tokenizer, req.prompt_token_ids, req.params.stop)
         completion = 0
-        gaps: list[float] = []
+        gaps = self._gaps
         last_chunk_at: float | None = None
         while True:
             try:
@@ -308,10 +336,8 @@ class RequestStream:
         tail = text.finish() if item.error is None else ""
         if tail:
             yield Chunk([], tail)
-        phase = item.phase.but(finish_reason=reason)
-        cached = phase.cached_prompt_tokens
+        # What the client got: its prompt, and the tokens it was sent (a stop string cuts them).
+        phase = item.phase.but(finish_reason=reason, prompt_tokens=len(req.prompt_token_ids), output_tokens=completion)
         self._outcome = item.error.error_type if item.error is not None else reason
-        if item.error is None:
-            self._s.metrics.observe_finished(len(req.prompt_token_ids), cached, completion,
-                                             phase.ttft_s, phase.total_s, gaps)
-        yield Final(reason, len(req.prompt_token_ids), cached, completion, phase, item.error)
+        self._finished = Finished(reason, phase, item.error)
+        yield self._finished

@@ -128,6 +128,22 @@ def test_up_status_request_tail_down(state_dir: Path, tiny_model: Path) -> None:
     text = pdserve(state_dir, "requests", "tail", "-n", "5").stdout
     assert any(line.startswith(request_id) and f"out {GEN:5d}" in line for line in text.splitlines()), text
 
+    # A client that leaves mid-stream leaves a trace: its record, outcome "cancelled".
+    streamed = dict(body, stream=True, max_tokens=200)
+    req = urllib.request.Request(state["http"] + "/v1/completions", json.dumps(streamed).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.readline().startswith(b"data: ")  # one event read, then the connection closes
+    deadline = time.monotonic() + 20
+    left = None
+    while left is None and time.monotonic() < deadline:
+        out = pdserve(state_dir, "requests", "tail", "-n", "5", "--json").stdout
+        left = next((json.loads(line) for line in out.splitlines() if '"leaves-early"' in line), None)
+        time.sleep(0.3)
+    assert left is not None, "the cancelled request is not in the request log"
+    assert left["outcome"] == "cancelled" and left["finish_reason"] == "abort" and left["api"] == "http"
+    assert 0 < left["output_tokens"] < 200 and left["decode_worker"].startswith("decode-")
+
     tree = procs.descendants(head)  # the head, its Ray (GCS, raylet, workers), Redis
     assert len(tree) >= 5, procs.describe(tree)
     down = pdserve(state_dir, "down", timeout_s=150)

@@ -63,7 +63,7 @@ class Recorder:
         from pdserve.cluster.planner import PlannerDecision, ScaleAction
         from pdserve.engine.contract import WorkerRole
         from pdserve.engine.llm_engine import EngineStats
-        from pdserve.engine.contract import RequestPhase
+        from pdserve.engine.contract import RequestPhase, RequestRecord
 
         engine = EngineMetrics("decode", f"{uid}-d0", "tiny")
 
@@ -89,9 +89,11 @@ class Recorder:
         engine.observe_transfer(500_000, 0.002)
 
         router = RayRouterMetrics("tiny", router_id=f"{uid}-r0")
-        router.observe_request({"queue_s": 0.001, "prompt_tokens": 40, "prefill_s": 0.05, "ttft_s": 0.06,
-                                "output_tokens": 5, "decode_s": 0.1, "total_s": 0.16, "finish_reason": "length",
-                                "itl_s": [0.01, 0.02, 0.03, 0.04]})
+        router.request_ended(RequestRecord(
+            "r1", "c1", "http", "length", phase=RequestPhase(
+                queue_s=0.001, prompt_tokens=40, prefill_s=0.05, ttft_s=0.06, output_tokens=5, decode_s=0.1,
+                total_s=0.16, finish_reason="length"), itl_s=(0.01, 0.02, 0.03, 0.04)))
+        router.request_ended(RequestRecord("r2", "c2", "http", "overloaded"))  # refused: no phase, not counted
         router.set_in_flight(7, 1)
 
         planner = PlannerMetrics()

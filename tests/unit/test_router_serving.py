@@ -9,7 +9,7 @@ import pytest
 from pdserve.engine.contract import RequestPhase
 from pdserve.engine.errors import DeadlineExceededError
 from pdserve.router.backend import Finished, ModelInfo, TokenDelta
-from pdserve.router.serving import Chunk, Final, Serving
+from pdserve.router.serving import Chunk, Serving
 from pdserve.router.validation import parse_completion_body
 
 
@@ -72,9 +72,9 @@ def test_router_applies_stop_strings_and_aborts_the_backend(tiny_model, tokenize
     events = run(serving, {"prompt": "count:", "stop": "three", "max_tokens": 10})
     text = "".join(e.text for e in events if isinstance(e, Chunk))
     final = events[-1]
-    assert text == " one two " and isinstance(final, Final) and final.finish_reason == "stop"
+    assert text == " one two " and isinstance(final, Finished) and final.finish_reason == "stop"
     assert backend.aborted == backend.started and backend.closed == 1
-    assert final.completion_tokens == sum(len(e.token_ids) for e in events if isinstance(e, Chunk))
+    assert final.phase.output_tokens == sum(len(e.token_ids) for e in events if isinstance(e, Chunk))
     assert serving.admission.in_flight == 0
 
 
@@ -84,7 +84,8 @@ def test_natural_finish_flushes_text_and_reports_usage(tiny_model, tokenizer) ->
     events = run(serving, {"prompt": "say:", "max_tokens": len(script)})
     assert "".join(e.text for e in events if isinstance(e, Chunk)) == " héllo wörld"
     final = events[-1]
-    assert (final.finish_reason, final.cached_prompt_tokens, final.completion_tokens) == ("length", 3, len(script))
+    ph = final.phase
+    assert (final.finish_reason, ph.cached_prompt_tokens, ph.output_tokens) == ("length", 3, len(script))
     assert final.phase.kv_bytes == 0 and final.phase.finish_reason == "length"
 
 
@@ -97,3 +98,66 @@ def test_deadline_aborts_the_backend(tiny_model, tokenizer) -> None:
         run(serving, {"prompt": "x", "max_tokens": 30}, deadline=time.monotonic() + 0.2)
     assert backend.aborted == backend.started and backend.closed == 1
     assert serving.admission.in_flight == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.records = []
+
+    def request_ended(self, record) -> None:
+        self.records.append(record)
+
+
+class Raising:
+    def request_ended(self, record) -> None:
+        raise RuntimeError("observer bug")
+
+
+def test_every_request_ends_as_one_record_for_the_observers(tiny_model, tokenizer) -> None:
+    """Completed, stopped, timed-out and cancelled requests each reach every observer once, with
+    the phase the client's usage came from; an observer that raises harms neither the request nor
+    the observers after it."""
+    import time
+
+    from pdserve.engine.contract import RequestRecord
+
+    script = tokenizer(" one two three four five", add_special_tokens=False)["input_ids"]
+    backend = ScriptedBackend(str(tiny_model), script, delay_s=0.02)
+    rec = Recorder()
+    serving = Serving(backend, tokenizer=tokenizer, observers=[Raising(), rec])
+    events = run(serving, {"prompt": "count:", "stop": "three", "max_tokens": 10})
+    run(serving, {"prompt": "count:", "max_tokens": 2})
+    with pytest.raises(DeadlineExceededError):
+        run(serving, {"prompt": "x", "max_tokens": 5}, deadline=time.monotonic() + 0.05)
+
+    async def cancelled() -> None:
+        prepared = await serving.prepare(parse_completion_body({"prompt": "c", "max_tokens": 5}), "mine", default_max_tokens=16)
+        async with serving.stream(prepared, api="test") as stream:
+            await anext(stream)  # the client reads one chunk and leaves
+
+    asyncio.run(cancelled())
+    assert [(r.api, r.outcome, r.finish_reason) for r in rec.records] == [
+        ("test", "stop", "stop"), ("test", "length", "length"), ("test", "timeout_error", "abort"),
+        ("test", "cancelled", "abort")]
+    stopped = rec.records[0]
+    assert isinstance(stopped, RequestRecord) and stopped.phase == events[-1].phase
+    assert stopped.phase.output_tokens == 3 and stopped.phase.prompt_tokens > 0 and stopped.error is None
+    assert rec.records[2].error and "deadline" in rec.records[2].error
+    assert rec.records[3].client_request_id == "mine" and len(rec.records[1].itl_s) == 1
+    # The router's own /metrics text is the first observer: four requests by outcome.
+    text = serving.metrics.render()
+    for outcome in ("stop", "length", "timeout_error", "cancelled"):
+        assert f'pdserve_router_requests_total{{api="test",outcome="{outcome}"}} 1' in text
+    assert "pdserve_router_completion_tokens_total 5" in text  # 3 (stop) + 2 (length); not the rest
+    assert serving.admission.in_flight == 0
+
+
+def test_a_request_log_entry_reads_back_as_the_record() -> None:
+    from pdserve.engine.contract import RequestRecord
+
+    r = RequestRecord("s1", "c1", "grpc", "stop", max_tokens=9, time=1.5,
+                      phase=RequestPhase(prompt_tokens=4, output_tokens=2, total_s=0.25, finish_reason="stop"))
+    assert RequestRecord.from_dict(r.to_dict()) == r
+    assert r.to_dict()["finish_reason"] == "stop" and "itl_s" not in r.to_dict()
+    refused = RequestRecord("s2", "c2", "http", "overloaded", error="full")
+    assert RequestRecord.from_dict(refused.to_dict()) == refused
