@@ -1,6 +1,6 @@
 """Worker actor classes that also publish Ray metrics (``cluster/metrics.py``) from inside the
 worker process. The worker services themselves stay free of Ray; this module gives them an
-observer (``kv_transfer.kv_worker.WorkerObserver``) whose hooks they call as things happen."""
+observer (``worker.base.WorkerObserver``) whose hooks they call as things happen."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.contract import WorkerStats
 from pdserve.engine.contract import RequestPhase
 from pdserve.kv_transfer.engine_layout import model_identity
-from pdserve.kv_transfer.kv_worker import WorkerObserver
+from pdserve.worker.base import WorkerObserver
 from pdserve.prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVReceiver, RecvState
-from pdserve.kv_transfer.kv_worker import KVWorker
+from pdserve.worker.base import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _Reservation:
     expires_at: float = 0.0
 
 
-class DecodeWorker(KVWorker):
+class DecodeWorker(WorkerBase):
     role = WorkerRole.DECODE
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 #: Bumped whenever the bytes on the wire (metadata envelope, TransferParams, notifications)
 #: or their meaning change; peers with different versions refuse each other.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TransferParams lost its never-set src_blocks
 
 #: Element size in bytes of each KV dtype we can move (names as torch spells them).
 DTYPE_SIZES: dict[str, int] = {

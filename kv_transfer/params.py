@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.errors import CompatibilityError, InvalidRequestError
 from pdserve.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
 
-_FIELDS = ("protocol_version", "compat_hash", "request_id", "src_blocks", "dst_blocks",
-           "dst_agent", "expires_at")
+_FIELDS = ("protocol_version", "compat_hash", "request_id", "dst_blocks", "dst_agent", "expires_at")
 
 
 def _block_ids(name: str, value: object) -> tuple[int, ...]:
@@ -30,17 +29,13 @@ def _block_ids(name: str, value: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class TransferParams:
-    """One request's transfer, as the receiver reserved it.
-
-    ``src_blocks`` may be empty: the sender then chooses its source blocks chunk by chunk
-    (``KVSender.write``). When given it must pair one-to-one with ``dst_blocks``.
-    """
+    """One request's transfer, as the receiver reserved it: where the blocks go. The sender
+    chooses its source blocks chunk by chunk, as its prefill computes them (``KVSender.write``)."""
 
     request_id: str
     dst_agent: str
     dst_blocks: tuple[int, ...]
     compat_hash: str
-    src_blocks: tuple[int, ...] = ()
     protocol_version: int = field(default=PROTOCOL_VERSION)
     # Wall-clock time (epoch seconds) after which the sender must not write: the receiver may
     # give the blocks to another request once it has passed. 0 means no expiry.
@@ -54,7 +49,6 @@ class TransferParams:
         if not isinstance(self.compat_hash, str) or not self.compat_hash:
             raise InvalidRequestError("compat_hash must be a non-empty string")
         object.__setattr__(self, "dst_blocks", _block_ids("dst_blocks", self.dst_blocks))
-        object.__setattr__(self, "src_blocks", _block_ids("src_blocks", self.src_blocks))
         if not self.dst_blocks:
             raise InvalidRequestError("dst_blocks is empty: nothing to transfer")
         if len(set(self.dst_blocks)) != len(self.dst_blocks):
@@ -62,10 +56,6 @@ class TransferParams:
         if isinstance(self.expires_at, bool) or not isinstance(self.expires_at, (int, float)) \
                 or self.expires_at < 0:
             raise InvalidRequestError(f"expires_at must be epoch seconds >= 0, got {self.expires_at!r}")
-        if self.src_blocks and len(self.src_blocks) != len(self.dst_blocks):
-            raise InvalidRequestError(
-                f"src_blocks has {len(self.src_blocks)} ids but dst_blocks has "
-                f"{len(self.dst_blocks)}")
 
     def check_compatible(self, layout: KVLayout) -> None:
         """Raise CompatibilityError unless made for this protocol and ``layout``'s hash."""
@@ -78,17 +68,16 @@ class TransferParams:
                 f"request {self.request_id}: KV layout hash {self.compat_hash} != local "
                 f"{layout.compat_hash()} (model/dtype/shape differ)")
 
-    def check_blocks(self, src_num_blocks: int, dst_num_blocks: int) -> None:
-        """Raise InvalidRequestError if a block id is out of range on either side."""
+    def check_blocks(self, dst_num_blocks: int) -> None:
+        """Raise InvalidRequestError if a destination block id is outside the receiver's cache
+        (each write's source blocks are checked against the sender's as it posts them)."""
         check_block_range("dst_blocks", self.dst_blocks, dst_num_blocks)
-        check_block_range("src_blocks", self.src_blocks, src_num_blocks)
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "protocol_version": self.protocol_version,
             "compat_hash": self.compat_hash,
             "request_id": self.request_id,
-            "src_blocks": list(self.src_blocks),
             "dst_blocks": list(self.dst_blocks),
             "dst_agent": self.dst_agent,
             "expires_at": self.expires_at,
@@ -115,7 +104,6 @@ class TransferParams:
             dst_agent=obj["dst_agent"],
             dst_blocks=obj["dst_blocks"],
             compat_hash=obj["compat_hash"],
-            src_blocks=obj["src_blocks"],
             protocol_version=version,
             expires_at=obj["expires_at"],
         )

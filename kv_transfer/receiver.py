@@ -95,14 +95,9 @@ class KVReceiver:
         self._state = RecvState.WAITING
         self._box = agent.subscribe(request_id, to_sender=False)
 
-    def params(self, src_blocks: list[int] | tuple[int, ...] = ()) -> TransferParams:
-        """The TransferParams the prefill worker needs, optionally with planned src blocks."""
-        if not src_blocks:
-            return self._params
-        return TransferParams(request_id=self.request_id, dst_agent=self._params.dst_agent,
-                              dst_blocks=self._params.dst_blocks,
-                              compat_hash=self._params.compat_hash, src_blocks=tuple(src_blocks),
-                              expires_at=self.expires_at)
+    def params(self) -> TransferParams:
+        """The TransferParams the prefill worker needs."""
+        return self._params
 
     @property
     def state(self) -> RecvState:

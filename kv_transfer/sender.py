@@ -80,7 +80,7 @@ class KVSender:
             raise CompatibilityError(
                 f"request {params.request_id}: params hash {params.compat_hash} != peer "
                 f"{params.dst_agent}'s layout hash {peer.layout.compat_hash()}")
-        params.check_blocks(agent.layout.num_blocks, peer.layout.num_blocks)
+        params.check_blocks(peer.layout.num_blocks)
         if params.expired():
             raise KVTransferError(f"request {params.request_id}: the receiver's reservation expired "
                                   "before the transfer started")

@@ -30,7 +30,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVSender, SendState, TransferParams
-from pdserve.kv_transfer.kv_worker import KVWorker
+from pdserve.worker.base import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Job:
     src_blocks: list[int] = field(default_factory=list)
 
 
-class PrefillWorker(KVWorker):
+class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,

@@ -1,4 +1,4 @@
-"""A worker reports to its observer (``kv_transfer.kv_worker.WorkerObserver``) as things happen:
+"""A worker reports to its observer (``worker.base.WorkerObserver``) as things happen:
 the hooks the Ray metrics are built on (``cluster/metered.py``). One decode worker in this
 process, with its real engine and NIXL agent, prefilling and decoding locally."""
 
@@ -13,7 +13,7 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineMode
 from pdserve.engine.contract import RequestPhase
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.kv_worker import WorkerObserver
+from pdserve.worker.base import WorkerObserver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -278,7 +278,7 @@ def test_every_config_field_is_read_somewhere() -> None:
     in the code outside the tests; a field nothing reads would be silently ignored."""
     import re
 
-    sources = "\n".join(p.read_text() for pkg in ("engine", "kv_transfer", "prefill_worker", "decode_worker",
+    sources = "\n".join(p.read_text() for pkg in ("engine", "kv_transfer", "worker", "prefill_worker", "decode_worker",
                                                     "router", "cluster", "pdserve")
                         for p in (REPO / pkg).rglob("*.py"))
     unread = sorted({dotted for _, dotted in all_fields(ClusterConfig)

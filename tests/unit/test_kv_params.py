@@ -74,10 +74,10 @@ def test_coalesce_consecutive_pairs_into_runs() -> None:
 
 # ---- TransferParams ---------------------------------------------------------------------
 def test_params_round_trip_through_bytes() -> None:
-    params = make_params(src_blocks=[1, 2, 3])
+    params = make_params(dst_blocks=[1, 2, 3], expires_at=12.5)
     again = TransferParams.from_bytes(params.to_bytes())
     assert again == params
-    assert again.src_blocks == (1, 2, 3) and again.protocol_version == PROTOCOL_VERSION
+    assert again.dst_blocks == (1, 2, 3) and again.protocol_version == PROTOCOL_VERSION
 
 
 def test_params_version_mismatch_is_compatibility_error() -> None:
@@ -98,7 +98,7 @@ def test_params_hash_mismatch_names_the_request() -> None:
 
 @pytest.mark.parametrize("bad", [
     dict(dst_blocks=()), dict(dst_blocks=(1, 1)), dict(dst_blocks=(-1,)),
-    dict(dst_blocks=(1.5,)), dict(src_blocks=(1, 2)), dict(request_id=""),
+    dict(dst_blocks=(1.5,)), dict(expires_at=-1), dict(request_id=""),
     dict(dst_agent=""), dict(dst_blocks="123"),
 ])
 def test_params_reject_malformed_blocks(bad: dict[str, object]) -> None:
@@ -106,18 +106,16 @@ def test_params_reject_malformed_blocks(bad: dict[str, object]) -> None:
         make_params(**bad)
 
 
-def test_params_block_ranges_checked_on_both_sides() -> None:
-    params = make_params(src_blocks=(0, 1, 70))
-    params.check_blocks(src_num_blocks=71, dst_num_blocks=10)
-    with pytest.raises(InvalidRequestError, match=r"src_blocks.*\[70\]"):
-        params.check_blocks(src_num_blocks=64, dst_num_blocks=10)
+def test_params_block_range_checked_against_the_receiver() -> None:
+    params = make_params(dst_blocks=(0, 1, 9))
+    params.check_blocks(dst_num_blocks=10)
     with pytest.raises(InvalidRequestError, match=r"dst_blocks.*\[9\]"):
-        params.check_blocks(src_num_blocks=71, dst_num_blocks=9)
+        params.check_blocks(dst_num_blocks=9)
 
 
-@pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"protocol_version": 1}',
-                                  b'{"protocol_version": 1, "compat_hash": "x", "request_id": "r",'
-                                  b' "src_blocks": [], "dst_blocks": [1], "dst_agent": "d",'
+@pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"protocol_version": 2}',
+                                  b'{"protocol_version": 2, "compat_hash": "x", "request_id": "r",'
+                                  b' "dst_blocks": [1], "dst_agent": "d", "expires_at": 0,'
                                   b' "extra": 1}'])
 def test_params_from_bytes_rejects_garbage(data: bytes) -> None:
     with pytest.raises(InvalidRequestError):

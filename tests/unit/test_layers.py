@@ -13,11 +13,12 @@ ALLOWED = {
     "engine": set(),
     "proto": set(),
     "kv_transfer": {"engine"},
-    "prefill_worker": {"engine", "kv_transfer"},
-    "decode_worker": {"engine", "kv_transfer"},
+    "worker": {"engine", "kv_transfer"},
+    "prefill_worker": {"engine", "kv_transfer", "worker"},
+    "decode_worker": {"engine", "kv_transfer", "worker"},
     "router": {"engine", "kv_transfer", "proto"},
-    "cluster": {"engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "proto"},
-    "bench": {"engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "proto", "cluster"},
+    "cluster": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto"},
+    "bench": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "cluster"},
     "pdserve": {"engine", "cluster", "bench"},
 }
 RAY_ALLOWED = ("cluster/", "bench/", "router/worker_pool.py")   # the router's one seam to Ray actors

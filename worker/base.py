@@ -38,7 +38,7 @@ class WorkerObserver:
         """A prefill worker's KV push failed."""
 
 
-class KVWorker:
+class WorkerBase:
     """Subclasses set ``role`` and start the loop with their own hooks (``_start_loop``)."""
 
     role: WorkerRole
