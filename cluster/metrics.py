@@ -255,23 +255,21 @@ class CounterDeltas:
         return value - last
 
 
-def _observe_request(tags: dict[str, str], phase: Mapping[str, Any], itl_s: Iterable[float]) -> None:
-    reason = str(phase.get("finish_reason") or "")
+def _observe_request(tags: dict[str, str], phase: RequestPhase, itl_s: Iterable[float]) -> None:
+    reason = phase.finish_reason or ""
     _inc("pdserve_requests_finished_total", 1,
          {**tags, "finish_reason": reason if reason in FINISH_REASONS else "other"})
-    ttft = phase.get("ttft_s")
-    _observe("pdserve_e2e_request_latency_seconds", phase.get("total_s"), tags)
-    _observe("pdserve_request_queue_time_seconds", phase.get("queue_s"), tags)
-    _observe("pdserve_request_prompt_tokens", phase.get("prompt_tokens"), tags)
-    _observe("pdserve_request_generation_tokens", phase.get("output_tokens"), tags)
-    if ttft is not None:
-        _observe("pdserve_time_to_first_token_seconds", ttft, tags)
-        _observe("pdserve_request_prefill_time_seconds", phase.get("prefill_s"), tags)
-    output_tokens = int(phase.get("output_tokens") or 0)
-    decode_s = phase.get("decode_s")
-    if ttft is not None and output_tokens > 1 and decode_s is not None:
-        _observe("pdserve_request_decode_time_seconds", decode_s, tags)
-        _observe("pdserve_request_time_per_output_token_seconds", decode_s / (output_tokens - 1), tags)
+    _observe("pdserve_e2e_request_latency_seconds", phase.total_s, tags)
+    _observe("pdserve_request_queue_time_seconds", phase.queue_s, tags)
+    _observe("pdserve_request_prompt_tokens", phase.prompt_tokens, tags)
+    _observe("pdserve_request_generation_tokens", phase.output_tokens, tags)
+    if phase.ttft_s is not None:
+        _observe("pdserve_time_to_first_token_seconds", phase.ttft_s, tags)
+        _observe("pdserve_request_prefill_time_seconds", phase.prefill_s, tags)
+        if phase.output_tokens > 1:
+            _observe("pdserve_request_decode_time_seconds", phase.decode_s, tags)
+            _observe("pdserve_request_time_per_output_token_seconds",
+                     phase.decode_s / (phase.output_tokens - 1), tags)
     for gap in itl_s:
         _observe("pdserve_inter_token_latency_seconds", gap, tags)
 
@@ -306,10 +304,9 @@ class EngineMetrics:
         self._deltas = CounterDeltas()
         self._lock = threading.Lock()
 
-    def observe_finished(self, phase: RequestPhase | Mapping[str, Any],
-                         itl_s: Iterable[float] = ()) -> None:
+    def observe_finished(self, phase: RequestPhase, itl_s: Iterable[float] = ()) -> None:
         """Record one finished request from its phase record (and its inter-token gaps, if known)."""
-        _observe_request(self.tags, _as_mapping(phase), itl_s)
+        _observe_request(self.tags, phase, itl_s)
 
     def observe_itl(self, itl_s: Iterable[float]) -> None:
         """Record inter-token gaps measured while decoding (seconds)."""
@@ -355,7 +352,7 @@ class RayRouterMetrics:
         """A ``RequestObserver`` (``router/request_observer.py``): record one request that a worker
         ran (its phase is known), with the gaps between the chunks its client was sent."""
         if record.phase is not None:
-            _observe_request(self.tags, _as_mapping(record.phase), record.itl_s)
+            _observe_request(self.tags, record.phase, record.itl_s)
 
     def set_in_flight(self, running: int, waiting: int = 0) -> None:
         """Requests the router is serving, and those it queued (admission) before sending."""

@@ -83,8 +83,8 @@ class Recorder:
         engine.observe_finished(RequestPhase(queue_s=0.002, prompt_tokens=40, cached_prompt_tokens=16,
                                             prefill_s=0.03, ttft_s=0.032, output_tokens=5, decode_s=0.4,
                                             total_s=0.432, finish_reason="stop"))
-        engine.observe_finished({"queue_s": 0.5, "prompt_tokens": 8, "ttft_s": None, "total_s": 0.5,
-                                 "output_tokens": 0, "finish_reason": "abort"})
+        engine.observe_finished(RequestPhase(queue_s=0.5, prompt_tokens=8, ttft_s=None, total_s=0.5,
+                                             output_tokens=0, finish_reason="abort"))
         engine.observe_transfer(1_000_000, 0.004)
         engine.observe_transfer(500_000, 0.002)
 

@@ -105,3 +105,15 @@ def test_docs_table_lists_every_metric_with_its_type_and_labels() -> None:
         spec = BY_SCRAPED[name]
         assert kind == spec.kind.value, name
         assert {label.strip(" `") for label in labels.split(",")} == set(spec.tag_keys), name
+
+
+def test_engine_metrics_read_fields_the_engine_stats_have() -> None:
+    """``update_engine`` reads ``EngineStats`` by field name: a renamed field must fail here, not
+    leave its gauge or counter silently unset."""
+    from dataclasses import fields
+
+    from pdserve.cluster.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES
+    from pdserve.engine.llm_engine import EngineStats
+
+    names = {f.name for f in fields(EngineStats)}
+    assert set(_ENGINE_COUNTERS) | set(_ENGINE_GAUGES) <= names
