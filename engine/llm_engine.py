@@ -29,6 +29,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.contract import StepOutput  # noqa: F401  (re-exported: the type the engine produces)
 from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 from pdserve.engine.stopping import StopChecker
+from pdserve.engine.structured import GrammarBook
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class LLMEngine:
         token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
         self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit,
                                    emit_text=config.detokenize)
+        self.grammars = GrammarBook(self.stopper.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
         self.mode = config.mode
         self._held: dict[str, Sequence] = {}          # prefill-only: finished, blocks kept for transfer
         self._pending: list[StepOutput] = []          # outputs produced outside step() (aborts, instant stops)
@@ -165,8 +167,11 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: Priority) -> Sequence:
         self._validate(request_id, prompt_token_ids, params)
-        return Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                        priority=priority, eos_token_ids=frozenset(self.spec.eos_token_ids))
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                       priority=priority, eos_token_ids=frozenset(self.spec.eos_token_ids))
+        if params.structured is not None:
+            seq.grammar = self.grammars.grammar(params.structured)
+        return seq
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not request_id:
@@ -250,6 +255,9 @@ class LLMEngine:
         seq.arrival_time = arrival_time if arrival_time is not None else now
         seq.first_scheduled_time = seq.arrival_time
         seq.first_token_time = first_token_time if first_token_time is not None else now
+        if seq.grammar is not None and not seq.grammar.accept(first_token_id):
+            raise InvalidRequestError(f"request {request_id}: its first token {first_token_id} does not follow "
+                                      f"its {params.structured.kind}")
         self.stopper.start(seq)
         self.block_manager.adopt(seq, block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
@@ -295,6 +303,10 @@ class LLMEngine:
         logits = self.runner.execute(items)
         sampling = [c.seq for c in sched.chunks if c.sample]
         result = self.sampler.sample(logits, sampling) if sampling else SampleResult([], [])
+        for i, seq in enumerate(sampling):  # each grammar advances by the token its mask allowed
+            if seq.grammar is not None and i not in result.failed and not seq.grammar.accept(result.tokens[i]):
+                result.failed[i] = SamplingError(f"request {seq.request_id}: token {result.tokens[i]} does not "
+                                                 f"follow its {seq.params.structured.kind}")
         now = time.monotonic()
         self._account_prefill(sched, now - t0)
         if self.itl_budget is not None:

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: penalties and min_tokens, then greedy, or temperature, top-k, top-p
+"""Turns logits into tokens: penalties and min_tokens, grammar masks (structured outputs), then greedy, or temperature, top-k, top-p
 and min-p with per-request seeds; logprobs (of the adjusted distribution).
 
 Each row is sampled on its own account: a row whose logits are not finite, or whose filtered
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.errors import SamplingError
+from pdserve.engine.structured import apply_masks
 
 if TYPE_CHECKING:
     from pdserve.engine.sequence import Sequence
@@ -96,6 +97,17 @@ class Sampler:
             logits = logits.clone()
             for i in adjust:
                 _adjust_row(logits[i], seqs[i])
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and i not in result.failed]
+        if constrained:
+            if not adjust:
+                logits = logits.clone()
+            apply_masks(logits, constrained, [seqs[i].grammar for i in constrained])
+            # The rows were finite before the masks: a row's max is -inf only if it allows nothing.
+            allowed = (logits[constrained].amax(dim=-1) > float("-inf")).tolist()
+            for i, ok in zip(constrained, allowed):
+                if not ok:
+                    result.failed[i] = SamplingError(
+                        f"request {seqs[i].request_id}: its {seqs[i].params.structured.kind} allows no next token")
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy and i not in result.failed]
         if greedy_rows:
             rows = logits if len(greedy_rows) == len(seqs) else logits[greedy_rows]

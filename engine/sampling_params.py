@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -37,6 +38,8 @@ class SamplingParams:
     (OpenAI's; subtracted, 0 = off). ``min_p`` drops tokens less likely than ``min_p`` times the
     most likely one (sampling only). ``min_tokens``: EOS and ``stop_token_ids`` cannot end the
     request before that many tokens (they are masked out of the choice until then).
+    ``structured``: a grammar every sampled token must follow (``engine/structured.py``); the
+    request ends with EOS once the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -53,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -122,6 +126,15 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be a number between 0 and 1 (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise InvalidRequestError("structured must be a StructuredOutput")
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos cannot be combined with a structured output: the request "
+                                          "ends with EOS when its grammar is complete")
+            if self.min_tokens:
+                raise InvalidRequestError("min_tokens cannot be combined with a structured output: the grammar "
+                                          "decides where the output ends")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.contract import RequestPhase
 from pdserve.engine.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class Sequence:
     num_preemptions: int = 0
     # Text already emitted (for stop strings and incremental detokenisation), kept by the engine.
     output_text: str = ""
+    # The structured output's matcher (``engine/structured.py``): advanced by each sampled token.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

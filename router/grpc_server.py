@@ -38,7 +38,8 @@ _PRIORITY = {pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE, pb.PRIORITY_INTERACT
              pb.PRIORITY_BATCH: Priority.BATCH}
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "error": pb.FINISH_REASON_ERROR}
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 
 
 class MalformedMessage:
@@ -86,6 +87,18 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
     if s.stop_token_ids:
         fields["stop_token_ids"] = list(s.stop_token_ids)
     fields["ignore_eos"] = s.ignore_eos
+    # The grammar, in the fields the HTTP API reads (one parser checks both).
+    structured = s.WhichOneof("structured")
+    if structured == "json_schema":
+        fields["guided_json"] = s.json_schema
+    elif structured == "json_object" and s.json_object:
+        fields["response_format"] = {"type": "json_object"}
+    elif structured == "regex":
+        fields["guided_regex"] = s.regex
+    elif structured == "choice":
+        fields["guided_choice"] = list(s.choice.choices)
+    elif structured == "grammar":
+        fields["guided_grammar"] = s.grammar
     which = request.WhichOneof("prompt")
     return parse_generate_fields(
         request.model,

@@ -8,6 +8,7 @@ Length checks that need the token count (prompt + max_tokens vs the context) are
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ from pdserve.engine.sampling_params import (
     SEED_MIN,
     SamplingParams,
 )
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import Priority
+from pdserve.engine.structured import StructuredOutput, check as check_structured, choice_spec
 from pdserve.router.errors import InvalidParameterError
 
 MAX_TEMPERATURE = 2.0
@@ -48,13 +51,6 @@ _UNSUPPORTED = (
     ("tool_choice", (None, "none"), "tool calling is not supported"),
     ("parallel_tool_calls", (None,), "tool calling is not supported"),
     ("function_call", (None, "none"), "function calling is not supported"),
-    ("response_format", (None, {"type": "text"}),
-     "structured outputs are not supported yet: with response_format the text would still not be "
-     "constrained to JSON; leave it out, or ask for JSON in the prompt and validate the reply"),
-    ("guided_json", (None,), "guided decoding is not supported yet"),
-    ("guided_regex", (None,), "guided decoding is not supported yet"),
-    ("guided_choice", (None,), "guided decoding is not supported yet"),
-    ("guided_grammar", (None,), "guided decoding is not supported yet"),
     ("store", (None, False), "storing completions is not supported; leave 'store' out"),
     ("metadata", (None,), "metadata is kept only with stored completions, which are not supported"),
 )
@@ -62,7 +58,8 @@ _UNSUPPORTED = (
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                            "min_tokens"}
+                            "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+                            "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -225,6 +222,13 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     min_tokens = _opt_int(body, "min_tokens", lo=0)
     if min_tokens:
         out["min_tokens"] = min_tokens
+    structured = parse_structured(body)
+    if structured is not None:
+        if out.get("ignore_eos") or out.get("min_tokens"):
+            name = "ignore_eos" if out.get("ignore_eos") else "min_tokens"
+            raise _bad(name, f"'{name}' cannot be combined with a structured output: the grammar decides "
+                             "where the output ends")
+        out["structured"] = structured
     if chat:
         wants = _opt_bool(body, "logprobs")
         top = _opt_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
@@ -237,6 +241,82 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         if logprobs is not None:
             out["logprobs"] = logprobs
     return out
+
+
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def parse_structured(body: dict) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) or one of vLLM's
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (EBNF), checked
+    by compiling it; None when the output is free text."""
+    given = [name for name in ("response_format", *_GUIDED) if body.get(name) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise _bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": "
+                                          "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                                          "{\"name\": ..., \"schema\": {...}}}")
+        if fmt["type"] == "text":
+            given.remove("response_format")
+    if len(given) > 1:
+        raise _bad(given[1], f"'{given[0]}' and '{given[1]}' both constrain the output; send one of them")
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        extra = sorted(set(value) - {"type", "json_schema"})
+        if extra:
+            raise _bad("response_format", f"unknown field '{_clip(extra[0])}' in 'response_format'")
+        if value["type"] == "json_object":
+            s = StructuredOutput("json_object")
+        else:
+            js = value.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise _bad("response_format", "a json_schema response_format needs 'json_schema': "
+                                              "{\"name\": ..., \"schema\": {...}}, with the schema an object")
+            unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+            if unknown:
+                raise _bad("response_format", f"unknown field '{_clip(unknown[0])}' in 'response_format.json_schema'")
+            if js.get("strict") is not None and not isinstance(js["strict"], bool):
+                raise _bad("response_format", "'response_format.json_schema.strict' must be true or false")
+            s = StructuredOutput("json_schema", _json_text(js["schema"], "response_format"))
+    elif name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(name, "'guided_json' must be a JSON schema (an object, or its JSON text)") from None
+        if not isinstance(value, dict):
+            raise _bad(name, "'guided_json' must be a JSON schema (an object, or its JSON text)")
+        s = StructuredOutput("json_schema", _json_text(value, name))
+    elif name == "guided_choice":
+        try:
+            s = StructuredOutput("choice", choice_spec(value))
+        except InvalidRequestError as exc:
+            raise _bad(name, str(exc)) from None
+    else:
+        if not isinstance(value, str) or not value:
+            raise _bad(name, f"'{name}' must be a non-empty string")
+        s = _structured(name, _GUIDED[name], value)
+    try:
+        check_structured(s)
+    except InvalidRequestError as exc:
+        raise _bad(name, str(exc)) from None
+    return s
+
+
+def _json_text(schema: dict, name: str) -> str:
+    return _structured(name, "json_schema", json.dumps(schema, separators=(",", ":"))).spec
+
+
+def _structured(name: str, kind: str, spec: str) -> StructuredOutput:
+    try:
+        return StructuredOutput(kind, spec)
+    except InvalidRequestError as exc:
+        raise _bad(name, str(exc)) from None
 
 
 def _common(body: Any, *, chat: bool) -> dict[str, Any]:

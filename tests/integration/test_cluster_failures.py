@@ -128,6 +128,44 @@ def test_decode_worker_lost_mid_stream_is_migrated_without_gap_or_duplicate(clus
     cluster.assert_nothing_held()
 
 
+def test_a_constrained_stream_keeps_its_grammar_across_a_migration(cluster: ClusterHarness) -> None:
+    """The new attempt's grammar consumes the tokens the client already got, so the migrated
+    stream goes on inside the grammar: token for token the engine's uninterrupted output."""
+    import re
+
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.structured import StructuredOutput
+
+    cluster.ensure_replicas("prefill", 1)
+    cluster.ensure_replicas("decode", 2)
+    regex = "[a-z]{20}( [a-z]{20}){20}"
+    engine = reference_engine(cluster.config)
+    ids = list(engine.stopper.tokenizer(SHORT_PROMPT)["input_ids"])
+    expected = engine.generate([ids], SamplingParams(max_tokens=MID, temperature=0,
+                                                     structured=StructuredOutput("regex", regex)))[0]
+    assert len(expected) > 2 * KILL_AFTER
+    killed: list[str] = []
+    migrations = cluster.service.backend.migrations
+    stream = cluster.openai().completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=MID,
+                                                 temperature=0, stream=True, extra_body={"guided_regex": regex})
+    tokens: list[int] = []
+    text, phase = "", {}
+    for n, chunk in enumerate(stream, 1):
+        tokens.extend(extra(chunk).get("token_ids", []))
+        text += chunk.choices[0].text if chunk.choices else ""
+        phase = extra(chunk).get("phase") or phase
+        if n == KILL_AFTER:
+            victim = cluster.busy_member("decode")
+            assert victim is not None
+            cluster.kill(victim)
+            killed.append(victim.worker_id)
+    assert killed and phase["migrations"] == 1, phase
+    assert tokens == expected, "the migrated stream left its grammar or changed its tokens"
+    assert re.fullmatch(r"[a-z]{20}( [a-z]{20}){0,20}( [a-z]{0,20})?|[a-z]{0,20}", text.strip()), text
+    assert cluster.service.backend.migrations == migrations + 1
+    cluster.assert_nothing_held()
+
+
 @contextlib.contextmanager
 def liveness(h: ClusterHarness, stats_timeout_s: float, dead_after_s: float):
     """Shorter liveness thresholds on the router's pool for one test."""

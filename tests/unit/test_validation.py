@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import grpc
@@ -137,14 +138,24 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(frequency_penaltyy=0.5), "frequency_penaltyy", "unknown parameter 'frequency_penaltyy'"),
     (completion(max_completion_tokens=5), "max_completion_tokens", "belongs to /v1/chat/completions"),
     (chat(prompt="x"), "prompt", "belongs to /v1/completions"),
-    (chat(response_format={"type": "json_object"}), "response_format", "not be constrained to JSON"),
-    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "structured outputs"),
+    (chat(response_format={"type": "xml"}), "response_format", "must be"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "needs 'json_schema'"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                  "strict": "yes"}}), "response_format", "strict"),
+    (chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex", "send one of them"),
+    (chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos", "cannot be combined"),
+    (completion(guided_json={"type": "object", "properties": 3}), "guided_json", "could not be compiled"),
+    (completion(guided_json="{not json"), "guided_json", "JSON schema"),
+    (completion(guided_regex="(unclosed"), "guided_regex", "could not be compiled"),
+    (completion(guided_choice=[]), "guided_choice", "list of 1 to"),
+    (completion(guided_choice=["a", 3]), "guided_choice", "non-empty strings"),
+    (completion(guided_grammar="root ::= "), "guided_grammar", "could not be compiled"),
+    (completion(guided_grammar="x" * 70000), "guided_grammar", "at most"),
     (chat(tool_choice="auto"), "tool_choice", "tool calling is not supported"),
     (chat(parallel_tool_calls=True), "parallel_tool_calls", "tool calling is not supported"),
     (chat(store=True), "store", "not supported"),
     (chat(metadata={"a": "b"}), "metadata", "not supported"),
     (chat(user="u-1"), "user", "unknown parameter 'user'"),
-    (completion(guided_json={"type": "object"}), "guided_json", "guided decoding is not supported"),
 ])
 def test_invalid_bodies_name_the_field_and_the_fix(body, param, words) -> None:
     parse = parse_chat_body if isinstance(body, dict) and "messages" in body else parse_completion_body
@@ -299,3 +310,48 @@ def test_penalties_min_p_and_min_tokens_reach_the_sampling_params() -> None:
     assert not neutral.sampling_params(8).adjusts_logits      # vllm bench serve sends repetition_penalty 1.0
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         parse_chat_body(chat(min_tokens=9)).sampling_params(8)
+
+
+def test_structured_output_fields_become_the_request_grammar() -> None:
+    from pdserve.engine.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        (chat(response_format={"type": "json_object"}), StructuredOutput("json_object")),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
+         StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))),
+        (completion(guided_json=schema), StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))),
+        (completion(guided_json=json.dumps(schema)), StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))),
+        (completion(guided_regex="[0-9]{3}"), StructuredOutput("regex", "[0-9]{3}")),
+        (completion(guided_choice=["yes", "no"]), StructuredOutput("choice", '["yes", "no"]')),
+        (completion(guided_grammar='root ::= "a" | "b"'), StructuredOutput("grammar", 'root ::= "a" | "b"')),
+    ]
+    for body, want in cases:
+        parse = parse_chat_body if "messages" in body else parse_completion_body
+        assert parse(body).sampling_params(8).structured == want, body
+    assert parse_chat_body(chat(response_format={"type": "text"})).sampling_params(8).structured is None
+
+
+def test_grpc_sampling_fields_reach_the_sampling_params() -> None:
+    """Every sampling field of the gRPC message is read: penalties, min_p, min_tokens and each kind
+    of structured output; a malformed grammar is the same 400-class error as over HTTP."""
+    from pdserve.engine.structured import StructuredOutput
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.router.grpc_server import parsed_from_proto
+
+    def params(**sampling):
+        return parsed_from_proto(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))).sampling_params(8)
+
+    p = params(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3, min_p=0.1, min_tokens=2)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
+        0.5, -0.25, 1.3, 0.1, 2)
+    assert params(json_schema='{"type": "object"}').structured == StructuredOutput("json_schema", '{"type":"object"}')
+    assert params(json_object=True).structured == StructuredOutput("json_object")
+    assert params(regex="[0-9]+").structured == StructuredOutput("regex", "[0-9]+")
+    assert params(choice=pb.Choices(choices=["a", "b"])).structured == StructuredOutput("choice", '["a", "b"]')
+    assert params(grammar='root ::= "x"').structured == StructuredOutput("grammar", 'root ::= "x"')
+    with pytest.raises(InvalidRequestError, match="regex could not be compiled: Regex parsing error") as info:
+        params(regex="(")
+    assert info.value.param == "guided_regex" and "regex_converter" not in str(info.value)
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        params(json_object=True, ignore_eos=True)
