@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both plain JSON or SSE with
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI
+``data: [DONE]``), ``GET /v1/models``, vLLM's ``POST /tokenize``, ``POST /detokenize`` and
+``GET /version``, ``GET /health``, ``GET /metrics``. Errors are OpenAI
 shaped (``router.errors``). An unknown model is 404 ``model_not_found``, as OpenAI answers.
 A client that disconnects mid-request cancels its handler, which aborts the backend request.
 Bodies are read by ``router.http_body`` (JSON only, bounded in size and time); a wrong method on
@@ -29,7 +30,8 @@ from pdserve.router.openai_format import ResponseBuilder
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
-from pdserve.router.validation import ParsedRequest, check_request_id, parse_chat_body, parse_completion_body
+from pdserve.router.validation import (ParsedRequest, check_model, check_request_id, parse_chat_body,
+                                       parse_completion_body, parse_detokenize_body, parse_tokenize_body)
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,32 @@ async def models(request: web.Request) -> web.Response:
     }]})
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``{count, max_model_len, tokens[, token_strs]}``."""
+    _check_auth(request)
+    serving = request.app[_SERVING]
+    req = parse_tokenize_body(await _read_json(request))
+    ids = await serving.tokenize(req)
+    return web.json_response({"count": len(ids), "max_model_len": serving.info.max_model_len, "tokens": ids,
+                              "token_strs": serving.tokenizer.convert_ids_to_tokens(ids)
+                              if req.return_token_strs else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: ``{prompt}``, the text of the ids (special tokens included)."""
+    _check_auth(request)
+    serving = request.app[_SERVING]
+    model, ids = parse_detokenize_body(await _read_json(request), serving.info.vocab_size)
+    check_model(model, serving.info.name)
+    return web.json_response({"prompt": serving.detokenize(ids)})
+
+
+async def version(request: web.Request) -> web.Response:
+    from pdserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
 async def health(request: web.Request) -> web.Response:
     ok = await request.app[_SERVING].backend.health()
     return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
@@ -206,6 +234,9 @@ def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None, max_body_bytes
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -41,9 +41,11 @@ from pdserve.router.metrics_text import RouterMetrics
 from pdserve.router.request_observer import RequestObserver, tell_all
 from pdserve.router.validation import (
     ParsedRequest,
+    TokenizeRequest,
     check_model,
     check_prompt_chars,
     check_prompt_tokens,
+    max_prompt_chars,
     resolve_max_tokens,
 )
 
@@ -107,15 +109,34 @@ class Serving:
     def _encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(f"model '{self.info.name}' has no chat template; use /v1/completions")
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
         except Exception as exc:  # jinja raises its own types for templates that reject the messages
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from exc
         # The template writes any BOS itself, so no special tokens are added here.
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    async def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """``/tokenize``: the ids a prompt (or a chat) would be served with."""
+        check_model(req.model, self.info.name)
+        if req.messages is not None:
+            ids = await asyncio.to_thread(self._encode_chat, req.messages, req.add_generation_prompt)
+            if req.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
+                ids = [self.tokenizer.bos_token_id, *ids]
+            return ids
+        text = req.prompt or ""
+        if len(text) > max_prompt_chars(self.info.max_model_len):
+            raise InvalidRequestError(f"the prompt has {len(text)} characters, more than any prompt this model "
+                                      f"can take ({self.info.max_model_len} tokens); shorten it")
+        return await asyncio.to_thread(
+            lambda: list(self.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     async def prepare(self, parsed: ParsedRequest, client_id: str, *, default_max_tokens: int | None) -> PreparedRequest:
         """Tokenize and check a parsed request; ``default_max_tokens`` None means "up to the context"

@@ -479,3 +479,64 @@ def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids:
     max_tokens = _opt_int(fields, "max_tokens", lo=1)
     return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                              "return_token_strs"})
+
+
+def _only(body: Any, known: frozenset[str], what: str) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidParameterError("the request body must be a JSON object")
+    unknown = sorted(str(k) for k in body if k not in known)
+    if unknown:
+        raise _bad(unknown[0], f"unknown parameter '{_clip(unknown[0])}' for {what}; it accepts: "
+                               f"{', '.join(sorted(known))}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"'model' must be a string, got {model!r}")
+    return body
+
+
+def parse_tokenize_body(body: Any) -> TokenizeRequest:
+    body = _only(body, _TOKENIZE_FIELDS, "/tokenize")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise _bad("prompt", "send either 'prompt' (a string) or 'messages' (a chat), not both or neither")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _bad("prompt", "'prompt' must be a string")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+        messages = [_message(i, m) for i, m in enumerate(messages)]
+    flags = {name: _opt_bool(body, name) for name in ("add_special_tokens", "add_generation_prompt",
+                                                      "return_token_strs")}
+    return TokenizeRequest(body.get("model") or None, prompt, messages,
+                           add_special_tokens=flags["add_special_tokens"] if flags["add_special_tokens"] is not None
+                           else messages is None,   # a chat template writes its own special tokens
+                           add_generation_prompt=flags["add_generation_prompt"] is not False,
+                           return_token_strs=bool(flags["return_token_strs"]))
+
+
+def parse_detokenize_body(body: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """``POST /detokenize``: (model, token ids), every id inside the vocabulary."""
+    body = _only(body, frozenset({"model", "tokens"}), "/detokenize")
+    if "tokens" not in body:
+        raise _bad("tokens", "'tokens' is required: a list of token ids")
+    tokens = _token_ids(body["tokens"], "tokens")
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise _bad("tokens", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return body.get("model") or None, tokens

@@ -209,6 +209,40 @@ def test_models_health_and_metrics(stack: Stack) -> None:
         conn.close()
 
 
+def test_tokenize_detokenize_and_version(stack: Stack) -> None:
+    """vLLM's utility endpoints: the ids the completions would be served with, back to text."""
+    from pdserve import __version__
+
+    url = stack.http_url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for prompt in PROMPTS:
+        ids, _ = stack.ref[prompt]
+        status, _, body = raw_post(url, "/tokenize", json.dumps({"model": "tiny", "prompt": prompt}).encode(), auth)
+        assert status == 200 and body["tokens"] == ids and body["count"] == len(ids), body
+        assert body["max_model_len"] == MAX_LEN and body["token_strs"] is None
+        status, _, back = raw_post(url, "/detokenize", json.dumps({"tokens": ids}).encode(), auth)
+        assert status == 200 and back["prompt"] == stack.tokenizer.decode(ids)
+    chat_ids, _ = stack.ref["chat"]
+    status, _, body = raw_post(url, "/tokenize", json.dumps({"messages": CHAT, "return_token_strs": True}).encode(),
+                               auth)
+    assert status == 200 and body["tokens"] == chat_ids, body      # what a chat completion is served with
+    assert body["token_strs"] == stack.tokenizer.convert_ids_to_tokens(chat_ids)
+    no_bos = raw_post(url, "/tokenize", json.dumps({"prompt": "hi", "add_special_tokens": False}).encode(), auth)[2]
+    assert no_bos["tokens"] == stack.tokenizer("hi", add_special_tokens=False)["input_ids"]
+    for path, body, param in (("/tokenize", {"prompt": "hi", "messages": CHAT}, "prompt"),
+                              ("/tokenize", {"prompt": "hi", "extra": 1}, "extra"),
+                              ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, _, err = raw_post(url, path, json.dumps(body).encode(), auth)
+        assert status == 400 and err["error"]["param"] == param, err
+    assert raw_post(url, "/tokenize", json.dumps({"prompt": "hi", "model": "x"}).encode(), auth)[0] == 404
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/version")
+    assert json.loads(conn.getresponse().read()) == {"version": __version__}
+    conn.close()
+
+
 # ------------------------------------------------------------------ HTTP bad inputs
 def test_every_bad_input_gets_its_status_and_an_actionable_message(stack: Stack) -> None:
     url = stack.http_url
