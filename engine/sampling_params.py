@@ -22,6 +22,8 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_PENALTY = 2.0            # presence/frequency penalties, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0       # OpenAI's range for each entry of logit_bias
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class SamplingParams:
     (OpenAI's; subtracted, 0 = off). ``min_p`` drops tokens less likely than ``min_p`` times the
     most likely one (sampling only). ``min_tokens``: EOS and ``stop_token_ids`` cannot end the
     request before that many tokens (they are masked out of the choice until then).
+    ``logit_bias``: (token id, bias) pairs added to those tokens' logits before the choice
+    (OpenAI's; -100 to 100: -100 in effect bans a token, 100 all but forces it).
     ``structured``: a grammar every sampled token must follow (``engine/structured.py``); the
     request ends with EOS once the grammar is complete.
     """
@@ -56,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +71,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         self._validate()
 
     @property
@@ -76,7 +85,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty or ``min_tokens`` changes this request's logits before the choice."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0 or bool(self.logit_bias))
 
     def _validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -126,6 +135,17 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be a number between 0 and 1 (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
+                                      f"got {len(self.logit_bias)}")
+        for pair in self.logit_bias:
+            tok, bias = pair if len(pair) == 2 else (None, None)
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias values must be numbers between {-MAX_LOGIT_BIAS:g} and "
+                                          f"{MAX_LOGIT_BIAS:g}, got {bias!r} for token {tok}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise InvalidRequestError("structured must be a StructuredOutput")

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x87\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xa3\x03\n\x0bPhaseRecord\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12!\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x13\n\x06ttft_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12 \n\x13\x64\x65\x63ode_tokens_per_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\r\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\tB\x17\n\x15_prefill_tokens_per_sB\t\n\x07_ttft_sB\x16\n\x14_decode_tokens_per_s\"\x86\x01\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12&\n\x05phase\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.PhaseRecord\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf8\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xa3\x03\n\x0bPhaseRecord\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12!\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x13\n\x06ttft_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12 \n\x13\x64\x65\x63ode_tokens_per_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\r\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\tB\x17\n\x15_prefill_tokens_per_sB\t\n\x07_ttft_sB\x16\n\x14_decode_tokens_per_s\"\x86\x01\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12&\n\x05phase\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.PhaseRecord\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=2059
-  _globals['_PRIORITY']._serialized_end=2141
-  _globals['_FINISHREASON']._serialized_start=2144
-  _globals['_FINISHREASON']._serialized_end=2289
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_PRIORITY']._serialized_start=2172
+  _globals['_PRIORITY']._serialized_end=2254
+  _globals['_FINISHREASON']._serialized_start=2257
+  _globals['_FINISHREASON']._serialized_end=2402
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=713
-  _globals['_CHOICES']._serialized_start=715
-  _globals['_CHOICES']._serialized_end=741
-  _globals['_GENERATEREQUEST']._serialized_start=744
-  _globals['_GENERATEREQUEST']._serialized_end=951
-  _globals['_TOPLOGPROB']._serialized_start=953
-  _globals['_TOPLOGPROB']._serialized_end=1015
-  _globals['_TOKENLOGPROB']._serialized_start=1017
-  _globals['_TOKENLOGPROB']._serialized_end=1103
-  _globals['_USAGE']._serialized_start=1105
-  _globals['_USAGE']._serialized_end=1192
-  _globals['_PHASERECORD']._serialized_start=1195
-  _globals['_PHASERECORD']._serialized_end=1614
-  _globals['_FINALINFO']._serialized_start=1617
-  _globals['_FINALINFO']._serialized_end=1751
-  _globals['_GENERATERESPONSE']._serialized_start=1754
-  _globals['_GENERATERESPONSE']._serialized_end=1907
-  _globals['_LISTMODELSREQUEST']._serialized_start=1909
-  _globals['_LISTMODELSREQUEST']._serialized_end=1928
-  _globals['_MODELCARD']._serialized_start=1930
-  _globals['_MODELCARD']._serialized_end=1996
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1998
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2057
-  _globals['_GENERATION']._serialized_start=2292
-  _globals['_GENERATION']._serialized_end=2454
+  _globals['_SAMPLINGPARAMS']._serialized_end=826
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=600
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=648
+  _globals['_CHOICES']._serialized_start=828
+  _globals['_CHOICES']._serialized_end=854
+  _globals['_GENERATEREQUEST']._serialized_start=857
+  _globals['_GENERATEREQUEST']._serialized_end=1064
+  _globals['_TOPLOGPROB']._serialized_start=1066
+  _globals['_TOPLOGPROB']._serialized_end=1128
+  _globals['_TOKENLOGPROB']._serialized_start=1130
+  _globals['_TOKENLOGPROB']._serialized_end=1216
+  _globals['_USAGE']._serialized_start=1218
+  _globals['_USAGE']._serialized_end=1305
+  _globals['_PHASERECORD']._serialized_start=1308
+  _globals['_PHASERECORD']._serialized_end=1727
+  _globals['_FINALINFO']._serialized_start=1730
+  _globals['_FINALINFO']._serialized_end=1864
+  _globals['_GENERATERESPONSE']._serialized_start=1867
+  _globals['_GENERATERESPONSE']._serialized_end=2020
+  _globals['_LISTMODELSREQUEST']._serialized_start=2022
+  _globals['_LISTMODELSREQUEST']._serialized_end=2041
+  _globals['_MODELCARD']._serialized_start=2043
+  _globals['_MODELCARD']._serialized_end=2109
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2111
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2170
+  _globals['_GENERATION']._serialized_start=2405
+  _globals['_GENERATION']._serialized_end=2567
 # @@protoc_insertion_point(module_scope)

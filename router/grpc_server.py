@@ -87,6 +87,8 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
     if s.stop_token_ids:
         fields["stop_token_ids"] = list(s.stop_token_ids)
     fields["ignore_eos"] = s.ignore_eos
+    if s.logit_bias:
+        fields["logit_bias"] = dict(s.logit_bias)
     # The grammar, in the fields the HTTP API reads (one parser checks both).
     structured = s.WhichOneof("structured")
     if structured == "json_schema":

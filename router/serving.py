@@ -42,6 +42,7 @@ from pdserve.router.request_observer import RequestObserver, tell_all
 from pdserve.router.validation import (
     ParsedRequest,
     TokenizeRequest,
+    check_logit_bias,
     check_model,
     check_prompt_chars,
     check_prompt_tokens,
@@ -152,9 +153,11 @@ class Serving:
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)
         max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens,
                                         limit=self.limits.max_tokens_limit, field_name=parsed.max_tokens_field)
+        params = parsed.sampling_params(max_tokens)
+        check_logit_bias(params.logit_bias, self.info.vocab_size)
         request_id = uuid.uuid4().hex
         logger.debug("request %s is the client's %r", request_id, client_id)
-        return PreparedRequest(request_id, ids, parsed.sampling_params(max_tokens), parsed.priority, client_id)
+        return PreparedRequest(request_id, ids, params, parsed.priority, client_id)
 
     def stream(self, req: PreparedRequest, *, api: str, deadline: float | None = None,
                scope: str = "") -> RequestStream:

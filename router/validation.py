@@ -16,6 +16,8 @@ from typing import Any
 
 from pdserve.engine.errors import ModelNotFoundError
 from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -45,7 +47,6 @@ _UNSUPPORTED = (
     ("best_of", (None, 1), "best_of > 1 is not supported"),
     ("echo", (None, False), "echo is not supported; the prompt is not returned"),
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
-    ("logit_bias", (None, {}), "logit_bias is not supported"),
     ("tools", (None, []), "tool calling is not supported"),
     ("functions", (None, []), "function calling is not supported"),
     ("tool_choice", (None, "none"), "tool calling is not supported"),
@@ -58,7 +59,7 @@ _UNSUPPORTED = (
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                            "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+                            "min_tokens", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
@@ -222,6 +223,9 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     min_tokens = _opt_int(body, "min_tokens", lo=0)
     if min_tokens:
         out["min_tokens"] = min_tokens
+    bias = body.get("logit_bias")
+    if bias is not None:
+        out["logit_bias"] = parse_logit_bias(bias)
     structured = parse_structured(body)
     if structured is not None:
         if out.get("ignore_eos") or out.get("min_tokens"):
@@ -241,6 +245,33 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         if logprobs is not None:
             out["logprobs"] = logprobs
     return out
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object from token ids (as strings, or integers) to -100..100."""
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "'logit_bias' must be an object from token ids to biases (-100 to 100)")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}")
+    pairs = []
+    for key, bias in value.items():
+        tok = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isdigit() and len(key) <= 12:
+            tok = int(key)
+        if tok is None:
+            raise _bad("logit_bias", f"'logit_bias' keys must be token ids, got {_clip(repr(key))}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"'logit_bias' values must be numbers between {-MAX_LOGIT_BIAS:g} and "
+                                     f"{MAX_LOGIT_BIAS:g}, got {_clip(repr(bias))} for token {tok}")
+        pairs.append((tok, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def check_logit_bias(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    bad = next((t for t, _ in pairs if t >= vocab_size), None)
+    if bad is not None:
+        raise _bad("logit_bias", f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",

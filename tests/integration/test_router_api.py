@@ -514,4 +514,13 @@ def test_min_tokens_and_penalties_work_through_the_api(stack: Stack) -> None:
     penalized = client.completions.create(model="tiny", prompt=prompt, max_tokens=GEN, temperature=0,
                                           frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
     assert penalized.pdserve["token_ids"] != expected
+    # logit_bias: the greedy first token banned, and another forced everywhere
+    banned = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert first not in banned.pdserve["token_ids"]
+    forced = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.pdserve["token_ids"] == [42] * 4
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logit_bias={"999999": 1})
     stack.wait_idle()

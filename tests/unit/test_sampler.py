@@ -137,3 +137,22 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_probability() -> None:
     for _ in range(400):
         seen.add(sampler.sample(logits, [_seq(loose, [1], [])]).tokens[0])
     assert 13 in seen                                              # without min_p it does get drawn
+
+
+def test_logit_bias_is_added_to_the_named_tokens_before_the_choice() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 20], logits[0, 21] = 3.0, 1.0
+    assert Sampler().sample(logits, [_seq(SamplingParams(max_tokens=4, temperature=0.0,
+                                                         logit_bias={21: 2.5}), [1], [])]).tokens == [21]
+    banned = SamplingParams(max_tokens=4, temperature=1.0, logit_bias={20: -100.0, 21: -100.0})
+    drawn = {Sampler(seed=s).sample(logits, [_seq(banned, [1], [])]).tokens[0] for s in range(60)}
+    assert drawn.isdisjoint({20, 21}) and len(drawn) > 5
+    params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={20: -1.0}, logprobs=0)
+    result = Sampler().sample(logits, [_seq(params, [1], [])])
+    adjusted = logits[0].clone()
+    adjusted[20] -= 1.0
+    assert result.tokens == [20]
+    assert result.logprobs[0][20] == pytest.approx(float(torch.log_softmax(adjusted, -1)[20]), abs=1e-5)
+    for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(Exception, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

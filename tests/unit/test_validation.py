@@ -148,6 +148,10 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(guided_json="{not json"), "guided_json", "JSON schema"),
     (completion(guided_regex="(unclosed"), "guided_regex", "could not be compiled"),
     (completion(guided_choice=[]), "guided_choice", "list of 1 to"),
+    (completion(logit_bias=[1, 2]), "logit_bias", "must be an object"),
+    (completion(logit_bias={"abc": 1}), "logit_bias", "keys must be token ids"),
+    (completion(logit_bias={"5": 200}), "logit_bias", "between -100 and 100"),
+    (completion(logit_bias={"5": True}), "logit_bias", "between -100 and 100"),
     (completion(guided_choice=["a", 3]), "guided_choice", "non-empty strings"),
     (completion(guided_grammar="root ::= "), "guided_grammar", "could not be compiled"),
     (completion(guided_grammar="x" * 70000), "guided_grammar", "at most"),
@@ -342,6 +346,7 @@ def test_grpc_sampling_fields_reach_the_sampling_params() -> None:
     def params(**sampling):
         return parsed_from_proto(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))).sampling_params(8)
 
+    assert params(logit_bias={7: -100.0}).logit_bias == ((7, -100.0),)
     p = params(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3, min_p=0.1, min_tokens=2)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
         0.5, -0.25, 1.3, 0.1, 2)
@@ -355,3 +360,8 @@ def test_grpc_sampling_fields_reach_the_sampling_params() -> None:
     assert info.value.param == "guided_regex" and "regex_converter" not in str(info.value)
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         params(json_object=True, ignore_eos=True)
+
+
+def test_logit_bias_keys_arrive_as_token_ids() -> None:
+    p = parse_completion_body(completion(logit_bias={"17": -100, "3": 5.5})).sampling_params(8)
+    assert p.logit_bias == ((3, 5.5), (17, -100.0)) and p.adjusts_logits
