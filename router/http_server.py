@@ -13,6 +13,7 @@ each (``router.rejection_log``), never with a traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import ssl
@@ -26,12 +27,13 @@ from pdserve.engine.errors import PdserveError
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.http_body import check_content_type, parse_json, read_body
-from pdserve.router.openai_format import ResponseBuilder
+from pdserve.router.openai_format import ResponseBuilder, usage_totals
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
+from pdserve.router.choices import ChoiceRequest, fork, run_choices
 from pdserve.router.validation import (ParsedRequest, check_model, check_request_id, parse_chat_body,
-                                       parse_completion_body, parse_detokenize_body, parse_tokenize_body)
+                                       parse_completion_bodies, parse_detokenize_body, parse_tokenize_body)
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +173,138 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
 
 async def completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
-    return await _generate(request, parse_completion_body(await _read_json(request)), chat=False)
+    parsed = parse_completion_bodies(await _read_json(request))
+    one = parsed[0]
+    if len(parsed) == 1 and one.best_of == 1 and not one.echo:
+        return await _generate(request, one, chat=False)
+    return await _generate_many(request, parsed, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
-    return await _generate(request, parse_chat_body(await _read_json(request)), chat=True)
+    parsed = parse_chat_body(await _read_json(request))
+    if parsed.n == 1:
+        return await _generate(request, parsed, chat=True)
+    return await _generate_many(request, [parsed], chat=True)
+
+
+async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, chat: bool) -> web.StreamResponse:
+    """Several choices (``router/choices.py``): ``n`` per prompt, several prompts, ``best_of``
+    candidates of which the ``n`` most likely (highest sum of token logprobs) are returned."""
+    serving = request.app[_SERVING]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    given = request.headers.get("X-Request-Id")
+    client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
+    prepared = [await serving.prepare(p, client_id, default_max_tokens=None if chat else 16) for p in parsed]
+    n, best_of = parsed[0].n, parsed[0].best_of
+    wanted_logprobs = prepared[0].params.logprobs
+    ranked = best_of > n
+    choices = []
+    for g, prep in enumerate(prepared):
+        if ranked and prep.params.logprobs is None:  # the ranking needs each token's logprob
+            prep = dataclasses.replace(prep, params=dataclasses.replace(prep.params, logprobs=0))
+        choices += [ChoiceRequest(g * best_of + j, g, fork(prep, j, g * best_of + j)) for j in range(best_of)]
+    echo = [(p.prompt_text if p.prompt_text is not None else serving.tokenizer.decode(pp.prompt_token_ids))
+            if p.echo else "" for p, pp in zip(parsed, prepared)]
+    auth = request.app[_AUTH]
+    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    events = run_choices(serving, choices, api="http", scope=scope)
+    usage_prompt = sum(len(p.prompt_token_ids) for p in prepared)
+
+    def builder(index: int) -> ResponseBuilder:
+        return ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat, logprobs=wanted_logprobs,
+                               index=index)
+
+    if not parsed[0].stream:
+        chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
+        finals: dict[int, Finished] = {}
+        try:
+            async for index, ev in events:
+                if isinstance(ev, Finished):
+                    if ev.error is not None:
+                        raise ev.error
+                    finals[index] = ev
+                else:
+                    chunks[index].append(ev)
+        finally:
+            await events.aclose()
+        out_choices, extras = [], []
+        for g in range(len(prepared)):
+            cands = [c.index for c in choices if c.group == g]
+            if ranked:
+                cands.sort(key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in zip(ch.token_ids, ch.logprobs or [])))
+            for rank, i in enumerate(cands[:n]):
+                body = builder(g * n + rank).full(chunks[i], finals[i])
+                choice = body["choices"][0]
+                if echo[g]:
+                    choice["text"] = echo[g] + choice["text"]
+                out_choices.append(choice)
+                extras.append({"index": g * n + rank, "token_ids": body["pdserve"]["token_ids"],
+                               "phase": body["pdserve"]["phase"]})
+        cached = sum(finals[g * best_of].phase.cached_prompt_tokens for g in range(len(prepared)))  # first choices
+        completion = sum(f.phase.output_tokens for f in finals.values())
+        body = builder(0)._envelope(stream=False)
+        body.update(choices=out_choices, usage=usage_totals(usage_prompt, cached, completion))
+        body["pdserve"] = {"request_id": rid, "choices": extras}
+        return web.json_response(body, headers={"X-Request-Id": client_id})
+
+    builders = {c.index: builder(c.index) for c in choices}
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise PdserveError("the request ended without a result") from None
+    except BaseException:
+        await events.aclose()
+        raise
+    if isinstance(first[1], Finished) and first[1].error is not None:
+        await events.aclose()
+        raise first[1].error  # nothing sent yet: answer with the error's own status
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Request-Id": client_id})
+    await resp.prepare(request)
+
+    async def send(body: dict) -> None:
+        await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+    opened: set[int] = set()
+    finals: dict[int, Finished] = {}
+    try:
+        item = first
+        while True:
+            index, ev = item
+            b = builders[index]
+            if index not in opened:
+                opened.add(index)
+                opening = b.first_chunk()
+                if opening is not None:
+                    await send(opening)
+                if echo[index // best_of]:
+                    await send(b.chunk(Chunk([], echo[index // best_of])))
+            if isinstance(ev, Finished):
+                if ev.error is not None:
+                    await send(errors.openai_error_body(ev.error))
+                    break
+                finals[index] = ev
+                await send(b.final_chunk(ev))
+            else:
+                await send(b.chunk(ev))
+            try:
+                item = await anext(events)
+            except StopAsyncIteration:
+                if parsed[0].include_usage:
+                    cached = sum(f.phase.cached_prompt_tokens for i, f in finals.items() if i % best_of == 0)
+                    completion = sum(f.phase.output_tokens for f in finals.values())
+                    usage = builder(0)._envelope(stream=True)
+                    usage.update(choices=[], usage=usage_totals(usage_prompt, cached, completion))
+                    await send(usage)
+                break
+    except PdserveError as exc:
+        await send(errors.openai_error_body(exc))
+    finally:
+        await events.aclose()
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def models(request: web.Request) -> web.Response:

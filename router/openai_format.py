@@ -20,11 +20,15 @@ if TYPE_CHECKING:
 def usage_body(final: Finished) -> dict:
     """OpenAI's usage from the phase record (``Serving`` counts the tokens the client was sent)."""
     ph = final.phase
+    return usage_totals(ph.prompt_tokens, ph.cached_prompt_tokens, ph.output_tokens)
+
+
+def usage_totals(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict:
     return {
-        "prompt_tokens": ph.prompt_tokens,
-        "completion_tokens": ph.output_tokens,
-        "total_tokens": ph.prompt_tokens + ph.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": ph.cached_prompt_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -32,8 +36,9 @@ class ResponseBuilder:
     """Shapes one request's chunks into OpenAI JSON; ``chat`` picks the chat format."""
 
     def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index  # the choice this builder shapes (n > 1, several prompts)
         self.model = model
         self.chat = chat
         self.created = int(time.time())
@@ -77,7 +82,7 @@ class ResponseBuilder:
     def full(self, chunks: list[Chunk], final: Finished) -> dict:
         """The body of a non-streaming response."""
         text = "".join(c.text for c in chunks)
-        choice: dict = {"index": 0, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
+        choice: dict = {"index": self.index, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -93,12 +98,12 @@ class ResponseBuilder:
         if not self.chat:
             return None
         body = self._envelope(stream=True)
-        body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        body["choices"] = [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}]
         return body
 
     def chunk(self, chunk: Chunk) -> dict:
-        choice: dict = {"index": 0, "logprobs": self.logprobs_body([chunk]), "finish_reason": None}
+        choice: dict = {"index": self.index, "logprobs": self.logprobs_body([chunk]), "finish_reason": None}
         if self.chat:
             choice["delta"] = {"content": chunk.text}
         else:
@@ -109,7 +114,7 @@ class ResponseBuilder:
         return body
 
     def final_chunk(self, final: Finished) -> dict:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": final.finish_reason}
+        choice: dict = {"index": self.index, "logprobs": None, "finish_reason": final.finish_reason}
         if self.chat:
             choice["delta"] = {}
         else:

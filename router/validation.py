@@ -43,9 +43,6 @@ _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_REQUEST_ID_CHARS)
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 # Fields we accept only at their "off" value: (name, allowed values, what to do instead).
 _UNSUPPORTED = (
-    ("n", (None, 1), "n > 1 is not supported; send one request per completion"),
-    ("best_of", (None, 1), "best_of > 1 is not supported"),
-    ("echo", (None, False), "echo is not supported; the prompt is not returned"),
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
     ("tools", (None, []), "tool calling is not supported"),
     ("functions", (None, []), "function calling is not supported"),
@@ -59,10 +56,11 @@ _UNSUPPORTED = (
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                            "min_tokens", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
+                            "min_tokens", "logit_bias", "n", "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
+MAX_CHOICES = 64   # n (or best_of) times the prompts of one request
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
@@ -80,6 +78,9 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     priority: Priority = Priority.INTERACTIVE
+    n: int = 1            # choices returned for this prompt
+    best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
+    echo: bool = False    # the prompt's text leads each choice (completions)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
@@ -380,34 +381,60 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         if not isinstance(options, dict):
             raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
         include_usage = bool(_opt_bool(options, "include_usage"))
+    n = _opt_int(body, "n", lo=1, hi=MAX_CHOICES) or 1
+    best_of = _opt_int(body, "best_of", lo=1, hi=MAX_CHOICES) if not chat else None
+    if best_of is not None and best_of < n:
+        raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
+    if best_of is not None and best_of > 1 and stream:
+        raise _bad("best_of", "'best_of' cannot be streamed: the best choices are known only at the end; "
+                              "leave 'stream' out, or use 'n'")
+    echo = bool(_opt_bool(body, "echo")) if not chat else False
+    if echo and body.get("logprobs") is not None:
+        raise _bad("echo", "'echo' with 'logprobs' is not supported: pdserve does not score the prompt's "
+                           "tokens; leave one of them out")
     max_tokens = _opt_int(body, "max_tokens", lo=1)
     max_tokens_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                max_tokens_field=max_tokens_field,
+                max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
                 sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
 
 
 def parse_completion_body(body: Any) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body (one prompt: a string or a list of token ids)."""
+    """Validate a ``/v1/completions`` body with one prompt (a string or a list of token ids)."""
+    requests = parse_completion_bodies(body)
+    if len(requests) > 1:
+        raise _bad("prompt", f"{len(requests)} prompts given where one is expected")
+    return requests[0]
+
+
+def parse_completion_bodies(body: Any) -> list[ParsedRequest]:
+    """Validate a ``/v1/completions`` body: one prompt (a string or a list of token ids) or a list
+    of them, each answered by its own choices (``n`` each, in order)."""
     common = _common(body, chat=False)
     if "prompt" not in body:
-        raise _bad("prompt", "'prompt' is required: a string or a list of token ids")
+        raise _bad("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        raise _bad("prompt", f"batched prompts are not supported ({len(prompt)} given); send one prompt per request")
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(prompts) * common["best_of"] > MAX_CHOICES:
+        raise _bad("prompt", f"{len(prompts)} prompts x {common['best_of']} choices is more than the "
+                             f"{MAX_CHOICES} one request may ask for; split it")
+    return [_one_prompt(p, common, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, p in enumerate(prompts)]
+
+
+def _one_prompt(prompt: Any, common: dict, where: str) -> ParsedRequest:
     if isinstance(prompt, str):
         if not prompt:
-            raise _bad("prompt", "'prompt' is empty; send at least one character")
+            raise _bad("prompt", f"'{where}' is empty; send at least one character")
         return ParsedRequest(prompt_text=prompt, **common)
     if isinstance(prompt, list):
         if not prompt:
-            raise _bad("prompt", "'prompt' is an empty list; send at least one token id")
+            raise _bad("prompt", f"'{where}' is an empty list; send at least one token id")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise _bad("prompt", f"'{where}' must be a string or a list of integer token ids, not a mixed list")
         return ParsedRequest(prompt_token_ids=_token_ids(prompt, "prompt"), **common)
-    raise _bad("prompt", f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}")
+    raise _bad("prompt", f"'{where}' must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 def _message(i: int, msg: Any) -> dict:

@@ -524,3 +524,74 @@ def test_min_tokens_and_penalties_work_through_the_api(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logit_bias={"999999": 1})
     stack.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model) -> LLMEngine:
+    """A second engine for references computed while the served one runs."""
+    return LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=256, max_model_len=MAX_LEN,
+                                  max_num_seqs=8, dtype="float32", warm_up=False))
+
+
+def test_n_choices_are_seeded_each_and_share_the_prompts_kv(stack: Stack, solo) -> None:
+    """n=3 seeded: choice j is the engine's output with seed + j; the later choices start once
+    the first has its first token and find the prompt's full blocks in the prefix cache."""
+    client = stack.client()
+    prompt = PROMPTS[1] * 3                                   # > 2 blocks of 16 tokens
+    ids = stack.tokenizer(prompt)["input_ids"]
+    r = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=11,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    want = [solo.generate([ids], SamplingParams(max_tokens=8, temperature=1.0, seed=11 + j, ignore_eos=True))[0]
+            for j in range(3)]
+    got = [c["token_ids"] for c in r.pdserve["choices"]]
+    assert got == want and len({tuple(t) for t in got}) == 3
+    assert [c.text for c in r.choices] == [stack.tokenizer.decode(w, skip_special_tokens=True) for w in want]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 24
+    phases = [c["phase"] for c in r.pdserve["choices"]]
+    assert all(p["cached_prompt_tokens"] >= len(ids) // 16 * 16 - 16 > 0 for p in phases[1:]), phases
+    stack.wait_idle()
+
+
+def test_several_prompts_echo_and_best_of(stack: Stack, solo) -> None:
+    client = stack.client()
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=GEN, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, prompt in zip(r.choices, PROMPTS[:2]):
+        ids, expected = stack.ref[prompt]
+        assert choice.text == prompt + stack.tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == sum(len(stack.ref[p][0]) for p in PROMPTS[:2])
+    # best_of: the candidate with the highest sum of its tokens' logprobs (seeds 5, 6, 7)
+    ids, _ = stack.ref[PROMPTS[0]]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], best_of=3, max_tokens=6, temperature=1.0,
+                                  seed=5, extra_body={"ignore_eos": True})
+    cands = []
+    for j in range(3):
+        out = solo.add_request(f"cand-{j}", ids, SamplingParams(max_tokens=6, temperature=1.0, seed=5 + j,
+                                                                 ignore_eos=True, logprobs=0))
+        while solo.has_unfinished():
+            solo.step()
+        cands.append((sum(lp[t] for t, lp in zip(out.output_token_ids, out.output_logprobs)), out.output_token_ids))
+    best = max(cands)[1]
+    assert len(r.choices) == 1 and r.pdserve["choices"][0]["token_ids"] == best
+    assert r.choices[0].logprobs is None                      # ranked by logprobs, not asked for them
+    assert r.usage.completion_tokens == 18                    # every candidate's tokens count
+    stack.wait_idle()
+
+
+def test_chat_n_streams_every_choice_with_its_index(stack: Stack) -> None:
+    chunks = list(stack.client().chat.completions.create(
+        model="tiny", messages=CHAT, n=2, max_tokens=6, temperature=1.0, seed=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    texts: dict[int, str] = {0: "", 1: ""}
+    ends = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                ends[ch.index] = ch.finish_reason
+    assert ends == {0: "length", 1: "length"} and texts[0] != texts[1]
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(stack.ref["chat"][0])
+    stack.wait_idle()

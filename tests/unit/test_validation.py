@@ -90,7 +90,8 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(prompt=5), "prompt", "string or a list of token ids"),
     (completion(prompt=[1, "a"]), "prompt", "integer token ids"),
     (completion(prompt=[1, -2]), "prompt", "non-negative"),
-    (completion(prompt=["a", "b"]), "prompt", "batched prompts are not supported"),
+    (completion(prompt=["a", ""]), "prompt", "'prompt[1]' is empty"),
+    (completion(prompt=["a"] * 33, n=2), "prompt", "33 prompts x 2 choices"),
     (completion(max_tokens=0), "max_tokens", "at least 1"),
     (completion(max_tokens="10"), "max_tokens", "must be an integer"),
     (completion(max_tokens=True), "max_tokens", "must be an integer"),
@@ -117,8 +118,12 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(stream="yes"), "stream", "true or false"),
     (completion(stream_options={"include_usage": True}), "stream_options", "only allowed when 'stream' is true"),
     (completion(logprobs=21), "logprobs", "at most 20"),
-    (completion(n=2), "n", "n > 1 is not supported"),
-    (completion(echo=True), "echo", "echo is not supported"),
+    (completion(n=0), "n", "at least 1"),
+    (completion(n=65), "n", "at most 64"),
+    (completion(n=3, best_of=2), "best_of", "at least 'n'"),
+    (completion(best_of=2, stream=True), "best_of", "cannot be streamed"),
+    (completion(echo=True, logprobs=1), "echo", "does not score the prompt"),
+    (chat(best_of=2), "best_of", "belongs to /v1/completions"),
     (completion(presence_penalty=2.5), "presence_penalty", "between -2 and 2"),
     (chat(frequency_penalty=-3), "frequency_penalty", "between -2 and 2"),
     (completion(repetition_penalty=0), "repetition_penalty", "greater than 0"),
@@ -365,3 +370,13 @@ def test_grpc_sampling_fields_reach_the_sampling_params() -> None:
 def test_logit_bias_keys_arrive_as_token_ids() -> None:
     p = parse_completion_body(completion(logit_bias={"17": -100, "3": 5.5})).sampling_params(8)
     assert p.logit_bias == ((3, 5.5), (17, -100.0)) and p.adjusts_logits
+
+
+def test_several_prompts_n_best_of_and_echo_parse() -> None:
+    from pdserve.router.validation import parse_completion_bodies
+
+    many = parse_completion_bodies(completion(prompt=["a", [5, 6]], n=2, best_of=3, echo=True))
+    assert [(r.prompt_text, r.prompt_token_ids, r.n, r.best_of, r.echo) for r in many] == [
+        ("a", None, 2, 3, True), (None, [5, 6], 2, 3, True)]
+    one = parse_chat_body(chat(n=4))
+    assert (one.n, one.best_of, one.echo) == (4, 4, False)
