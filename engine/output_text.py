@@ -5,7 +5,8 @@ Token ids become text through the engine's ``IncrementalDetokenizer`` (it decode
 window and waits while the window ends in half a UTF-8 character). On top of it this class:
 
 * finds stop strings in the text, including one that spans several tokens;
-* truncates the text where the first stop string begins (the stop string is not shown);
+* truncates the text where the first stop string begins (the stop string is not shown), or
+  where it ends with ``include_stop_str`` (vLLM's ``include_stop_str_in_output``);
 * holds back a tail of text that could still become a stop string, so a streaming client never
   sees part of one; the held text is released when it cannot be one or at the end.
 """
@@ -26,9 +27,13 @@ class OutputText:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop_str
         self._longest = max((len(s) for s in self._stop), default=0)
         self._emitted = 0            # characters of the decoded text already returned
         self._stopped_at: int | None = None
@@ -53,9 +58,10 @@ class OutputText:
         full = self._detok.text
         if self._stop and len(full) > before:
             start = max(0, before - self._longest + 1)
-            hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((full.find(s, start), s) for s in self._stop) if i >= 0]
             if hits:
-                self._stopped_at = min(hits)
+                at, length = min(hits)
+                self._stopped_at = at + length if self._include_stop else at
                 return self._release(self._stopped_at)
         return self._release(len(full) - self._held_back(full))
 

@@ -42,6 +42,8 @@ class SamplingParams:
     request before that many tokens (they are masked out of the choice until then).
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before the choice
     (OpenAI's; -100 to 100: -100 in effect bans a token, 100 all but forces it).
+    Text (vLLM's): ``skip_special_tokens`` leaves special tokens out of the text;
+    ``include_stop_str_in_output`` keeps the stop string that ended the text in it.
     ``structured``: a grammar every sampled token must follow (``engine/structured.py``); the
     request ends with EOS once the grammar is complete.
     """
@@ -61,6 +63,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -135,6 +139,9 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be a number between 0 and 1 (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
                                       f"got {len(self.logit_bias)}")

@@ -29,7 +29,10 @@ class StopChecker:
     def start(self, seq: Sequence) -> None:
         """Track the request's text when it is wanted or its stop strings need it."""
         if self.tokenizer is not None and (self._emit_text or seq.params.stop):
-            self._text[seq.request_id] = OutputText(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+            p = seq.params
+            self._text[seq.request_id] = OutputText(self.tokenizer, seq.prompt_token_ids, p.stop,
+                                                    skip_special_tokens=p.skip_special_tokens,
+                                                    include_stop_str=p.include_stop_str_in_output)
 
     def discard(self, request_id: str) -> None:
         self._text.pop(request_id, None)

@@ -38,7 +38,9 @@ class IncrementalDetokenizer:
     window's text ends in U+FFFD (half of a multi-byte character), it waits for the next token.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._skip_special = skip_special_tokens
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-6:]) if prompt_token_ids else []
         # _prefix: where the window starts; _read: tokens before it are already emitted.
@@ -47,7 +49,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
 
     def push(self, token_ids: list[int]) -> str:
         """Add new tokens; return the text they complete (may be empty)."""

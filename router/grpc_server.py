@@ -87,6 +87,9 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
     if s.stop_token_ids:
         fields["stop_token_ids"] = list(s.stop_token_ids)
     fields["ignore_eos"] = s.ignore_eos
+    fields["include_stop_str_in_output"] = s.include_stop_str_in_output
+    if s.HasField("skip_special_tokens"):
+        fields["skip_special_tokens"] = s.skip_special_tokens
     if s.logit_bias:
         fields["logit_bias"] = dict(s.logit_bias)
     # The grammar, in the fields the HTTP API reads (one parser checks both).

@@ -322,7 +322,9 @@ class RequestStream:
 
     async def _events(self) -> AsyncIterator[Chunk | Finished]:
         req = self._req
-        text = OutputText(self._s.tokenizer, req.prompt_token_ids, req.params.stop)
+        p = req.params
+        text = OutputText(self._s.tokenizer, req.prompt_token_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
+                          include_stop_str=p.include_stop_str_in_output)
         completion = 0
         gaps = self._gaps
         last_chunk_at: float | None = None

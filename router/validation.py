@@ -56,7 +56,8 @@ _UNSUPPORTED = (
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                            "min_tokens", "logit_bias", "n", "response_format", "guided_json", "guided_regex", "guided_choice",
+                            "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
+                            "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
@@ -224,6 +225,10 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     min_tokens = _opt_int(body, "min_tokens", lo=0)
     if min_tokens:
         out["min_tokens"] = min_tokens
+    for name, neutral in (("skip_special_tokens", True), ("include_stop_str_in_output", False)):
+        flag = _opt_bool(body, name)
+        if flag is not None and flag is not neutral:
+            out[name] = flag
     bias = body.get("logit_bias")
     if bias is not None:
         out["logit_bias"] = parse_logit_bias(bias)

@@ -595,3 +595,22 @@ def test_chat_n_streams_every_choice_with_its_index(stack: Stack) -> None:
     assert ends == {0: "length", 1: "length"} and texts[0] != texts[1]
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(stack.ref["chat"][0])
     stack.wait_idle()
+
+
+def test_skip_special_tokens_and_include_stop_str_in_output(stack: Stack) -> None:
+    client = stack.client()
+    special = stack.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = {"logit_bias": {str(special): 100}, "extra_body": {"ignore_eos": True}}
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, **forced)
+    assert r.pdserve["token_ids"] == [special, special] and r.choices[0].text == ""
+    forced["extra_body"]["skip_special_tokens"] = False
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, **forced)
+    assert r.choices[0].text == "<|im_start|><|im_start|>"
+    _, expected = stack.ref[PROMPTS[0]]
+    full = stack.tokenizer.decode(expected, skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=GEN, temperature=0, stop=[stop])
+    kept = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=GEN, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+    stack.wait_idle()

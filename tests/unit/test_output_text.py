@@ -62,3 +62,16 @@ def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
 def test_no_stop_strings_streams_everything(tokenizer) -> None:
     text = " plain text, nothing special."
     assert "".join(stream(OutputText(tokenizer, []), ids_of(tokenizer, text))) == text
+
+
+def test_include_stop_str_keeps_the_stop_string_and_nothing_after_it(tokenizer) -> None:
+    ids = ids_of(tokenizer, " the quick brown fox jumps over the lazy dog")
+    out = OutputText(tokenizer, [], stop=("n fox j", "lazy"), include_stop_str=True)
+    assert "".join(stream(out, ids)) == " the quick brown fox j" and out.stopped
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer) -> None:
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    ids = ids_of(tokenizer, " hi") + [special] + ids_of(tokenizer, " there")
+    assert "".join(stream(OutputText(tokenizer, []), ids)) == " hi there"
+    assert "".join(stream(OutputText(tokenizer, [], skip_special_tokens=False), ids)) == " hi<|im_start|> there"
