@@ -1,9 +1,10 @@
 """Structured outputs: a grammar that every token a request samples must follow.
 
-A request asks for one of five kinds (``StructuredOutput.kind``): ``json_schema`` (OpenAI's
+A request asks for one of six kinds (``StructuredOutput.kind``): ``json_schema`` (OpenAI's
 ``response_format`` with a schema, vLLM's ``guided_json``), ``json_object`` (any JSON object),
-``regex``, ``choice`` (exactly one of a list of strings) or ``grammar`` (EBNF, as llama.cpp's
-GBNF and vLLM's ``guided_grammar``). The grammar engine is xgrammar (chosen by measured
+``regex``, ``choice`` (exactly one of a list of strings), ``grammar`` (EBNF, as llama.cpp's
+GBNF and vLLM's ``guided_grammar``) or ``structural_tag`` (free text in which each trigger opens
+a tagged JSON value: tool calls with ``tool_choice`` auto, ``router/tools.py``). The grammar engine is xgrammar (chosen by measured
 per-token cost, ``bench/grammar_libs.py`` and ``docs/benchmarks.md``).
 
 * ``check`` parses the grammar without a tokenizer, at the door: a malformed schema, regex or
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 64 * 1024   # a schema, regex or grammar larger than this is refused
 MAX_CHOICES = 256
 
@@ -113,6 +114,11 @@ def _grammar(s: StructuredOutput) -> Any:
             return xgr.Grammar.from_regex(s.spec)
         if s.kind == "choice":
             return xgr.Grammar.from_regex(_choice_regex(s.spec))
+        if s.kind == "structural_tag":  # free text; after a trigger, a tagged JSON value (tool calls)
+            spec = json.loads(s.spec)
+            tags = [xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
+                    for t in spec["tags"]]
+            return xgr.Grammar.from_structural_tag(tags, spec["triggers"])
         return xgr.Grammar.from_ebnf(s.spec)
     except InvalidRequestError:
         raise

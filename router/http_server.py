@@ -120,7 +120,7 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
     client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
-                              logprobs=prepared.params.logprobs)
+                              logprobs=prepared.params.logprobs, tools=parsed.tools)
     # Ids are scoped per API key; without authentication every client shares one scope.
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
@@ -162,7 +162,8 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
         if ev.error is not None:
             await send(errors.openai_error_body(ev.error))
         else:
-            await send(builder.final_chunk(ev))
+            for body in builder.closing_chunks(ev):
+                await send(body)
             if include_usage:
                 await send(builder.usage_chunk(ev))
     except PdserveError as exc:
@@ -213,7 +214,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
 
     def builder(index: int) -> ResponseBuilder:
         return ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat, logprobs=wanted_logprobs,
-                               index=index)
+                               index=index, tools=parsed[0].tools)
 
     if not parsed[0].stream:
         chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
@@ -285,7 +286,8 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
                     await send(errors.openai_error_body(ev.error))
                     break
                 finals[index] = ev
-                await send(b.final_chunk(ev))
+                for body in b.closing_chunks(ev):
+                    await send(body)
             else:
                 await send(b.chunk(ev))
             try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk
+from pdserve.router.tools import ToolRequest, ToolStream, parse_reply
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,9 +37,12 @@ class ResponseBuilder:
     """Shapes one request's chunks into OpenAI JSON; ``chat`` picks the chat format."""
 
     def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
-                 logprobs: int | None, index: int = 0) -> None:
+                 logprobs: int | None, index: int = 0, tools: ToolRequest | None = None) -> None:
         self.request_id = request_id
         self.index = index  # the choice this builder shapes (n > 1, several prompts)
+        # Chat with tools the model may call: the reply's calls become tool_calls (router/tools.py).
+        self.tools = tools if chat and tools is not None and tools.choice != "none" else None
+        self._tool_stream = ToolStream(self.tools) if self.tools is not None else None
         self.model = model
         self.chat = chat
         self.created = int(time.time())
@@ -83,7 +87,13 @@ class ResponseBuilder:
         """The body of a non-streaming response."""
         text = "".join(c.text for c in chunks)
         choice: dict = {"index": self.index, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
-        if self.chat:
+        if self.tools is not None:
+            reply = parse_reply(text, self.tools)
+            choice["message"] = {"role": "assistant", "content": reply.content}
+            if reply.tool_calls:
+                choice["message"]["tool_calls"] = reply.tool_calls
+                choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -104,7 +114,9 @@ class ResponseBuilder:
 
     def chunk(self, chunk: Chunk) -> dict:
         choice: dict = {"index": self.index, "logprobs": self.logprobs_body([chunk]), "finish_reason": None}
-        if self.chat:
+        if self._tool_stream is not None:
+            choice["delta"] = {"content": self._tool_stream.push(chunk.text)}
+        elif self.chat:
             choice["delta"] = {"content": chunk.text}
         else:
             choice["text"] = chunk.text
@@ -113,8 +125,30 @@ class ResponseBuilder:
         body["pdserve"] = {"token_ids": chunk.token_ids}
         return body
 
-    def final_chunk(self, final: Finished) -> dict:
-        choice: dict = {"index": self.index, "logprobs": None, "finish_reason": final.finish_reason}
+    def closing_chunks(self, final: Finished) -> list[dict]:
+        """The chunks that end a streamed choice: with tools, the content held back and the calls
+        (one delta each, arguments whole), then ``final_chunk``."""
+        out = []
+        reason = final.finish_reason
+        if self._tool_stream is not None:
+            rest = self._tool_stream.finish()
+            deltas: list[dict] = []
+            if rest.content:
+                deltas.append({"content": rest.content})
+            for i, call in enumerate(rest.tool_calls):
+                deltas.append({"tool_calls": [{"index": i, **call}]})
+            if rest.tool_calls:
+                reason = "tool_calls"
+            for delta in deltas:
+                body = self._envelope(stream=True)
+                body["choices"] = [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+                body["pdserve"] = {"token_ids": []}
+                out.append(body)
+        out.append(self.final_chunk(final, reason))
+        return out
+
+    def final_chunk(self, final: Finished, reason: str | None = None) -> dict:
+        choice: dict = {"index": self.index, "logprobs": None, "finish_reason": reason or final.finish_reason}
         if self.chat:
             choice["delta"] = {}
         else:

@@ -39,6 +39,7 @@ from pdserve.engine.output_text import OutputText
 from pdserve.router.errors import DuplicateRequestIdError
 from pdserve.router.metrics_text import RouterMetrics
 from pdserve.router.request_observer import RequestObserver, tell_all
+from pdserve.router.tools import ToolRequest, render_messages
 from pdserve.router.validation import (
     ParsedRequest,
     TokenizeRequest,
@@ -110,12 +111,20 @@ class Serving:
     def _encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: ToolRequest | None = None) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError(f"model '{self.info.name}' has no chat template; use /v1/completions")
+        # A template that reads tools gets them (and the messages' tool calls) as they are; any
+        # other gets them written into the messages (router/tools.py).
+        reads_tools = isinstance(template, str) and "tools" in template and "tool_calls" in template
+        extra = {"tools": list(tools.tools)} if tools is not None and reads_tools else {}
+        if not reads_tools:
+            messages = render_messages(messages, tools, False)
         try:
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=False)
+                                                          tokenize=False, **extra)
         except Exception as exc:  # jinja raises its own types for templates that reject the messages
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from exc
         # The template writes any BOS itself, so no special tokens are added here.
@@ -147,7 +156,7 @@ class Serving:
         if parsed.prompt_token_ids is not None:
             ids = list(parsed.prompt_token_ids)
         elif parsed.messages is not None:
-            ids = await asyncio.to_thread(self._encode_chat, parsed.messages)
+            ids = await asyncio.to_thread(self._encode_chat, parsed.messages, True, parsed.tools)
         else:
             ids = await asyncio.to_thread(self._encode_text, parsed.prompt_text or "")
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)

@@ -32,6 +32,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import Priority
 from pdserve.engine.structured import StructuredOutput, check as check_structured, choice_spec
 from pdserve.router.errors import InvalidParameterError
+from pdserve.router.tools import ToolRequest, check_message, parse_tools, tool_grammar
 
 MAX_TEMPERATURE = 2.0
 MAX_REQUEST_ID_CHARS = 128
@@ -44,11 +45,8 @@ _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 # Fields we accept only at their "off" value: (name, allowed values, what to do instead).
 _UNSUPPORTED = (
     ("suffix", (None, ""), "suffix (insertion) is not supported"),
-    ("tools", (None, []), "tool calling is not supported"),
-    ("functions", (None, []), "function calling is not supported"),
-    ("tool_choice", (None, "none"), "tool calling is not supported"),
-    ("parallel_tool_calls", (None,), "tool calling is not supported"),
-    ("function_call", (None, "none"), "function calling is not supported"),
+    ("functions", (None, []), "the legacy 'functions' are not supported; send them as 'tools'"),
+    ("function_call", (None, "none"), "the legacy 'function_call' is not supported; use 'tool_choice'"),
     ("store", (None, False), "storing completions is not supported; leave 'store' out"),
     ("metadata", (None,), "metadata is kept only with stored completions, which are not supported"),
 )
@@ -62,7 +60,8 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
 MAX_CHOICES = 64   # n (or best_of) times the prompts of one request
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +78,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     priority: Priority = Priority.INTERACTIVE
+    tools: ToolRequest | None = None  # chat: the tools and what to do with them (router/tools.py)
     n: int = 1            # choices returned for this prompt
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
     echo: bool = False    # the prompt's text leads each choice (completions)
@@ -449,9 +449,19 @@ def _message(i: int, msg: Any) -> dict:
     role = msg.get("role")
     if role not in CHAT_ROLES:
         raise _bad("messages", f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    unknown = sorted(set(msg) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+    if unknown:
+        raise _bad("messages", f"{where} has an unknown field '{_clip(str(unknown[0]))}'")
+    extra = check_message(where, msg)
+    if msg.get("name") is not None:
+        if not isinstance(msg["name"], str):
+            raise _bad("messages", f"{where}.name must be a string")
+        extra["name"] = msg["name"]   # the template may show it (a participant's name)
     content = msg.get("content")
+    if content is None and extra.get("tool_calls"):
+        return {"role": role, "content": None, **extra}
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **extra}
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -459,7 +469,7 @@ def _message(i: int, msg: Any) -> dict:
                 raise _bad("messages", f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}; "
                                        "only text content is supported")
             texts.append(part["text"])
-        return {"role": role, "content": "".join(texts)}
+        return {"role": role, "content": "".join(texts), **extra}
     raise _bad("messages", f"{where}.content must be a string or a list of text parts")
 
 
@@ -469,7 +479,16 @@ def parse_chat_body(body: Any) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-    return ParsedRequest(messages=[_message(i, m) for i, m in enumerate(messages)], **common)
+    tools = parse_tools(body)
+    grammar = tool_grammar(tools) if tools is not None else None
+    if grammar is not None:
+        if common["sampling"].get("structured") is not None:
+            raise _bad("tool_choice", f"tool_choice '{tools.choice}' and a structured output both constrain the "
+                                      "reply; send one of them (or tool_choice \"none\")")
+        if common["sampling"].get("ignore_eos") or common["sampling"].get("min_tokens"):
+            raise _bad("tool_choice", "tools cannot be combined with ignore_eos or min_tokens")
+        common["sampling"]["structured"] = grammar
+    return ParsedRequest(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools, **common)
 
 
 def check_prompt_tokens(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

@@ -206,3 +206,41 @@ def test_json_schema_answers_parse_and_carry_the_right_facts(client) -> None:
     choice = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is Paris in France?"}],
                                             max_tokens=5, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].message.content == "yes"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_a_call_then_an_answer_from_its_result(client) -> None:
+    """tool_choice required (one call) and a named function call get_weather(Paris); streamed,
+    the call arrives as a tool_calls delta; given the tool's result, the model answers from it."""
+    import json
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=NAME, messages=ask, tools=[WEATHER_TOOL], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    named = client.chat.completions.create(model=NAME, messages=ask, tools=[WEATHER_TOOL], max_tokens=60,
+                                           temperature=0, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    assert json.loads(named.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    deltas = [c.choices[0] for c in client.chat.completions.create(
+        model=NAME, messages=ask, tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=60, temperature=0, stream=True) if c.choices]
+    calls = [tc for d in deltas for tc in d.delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert deltas[-1].finish_reason == "tool_calls"
+    turn = ask + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.id, "type": "function",
+                       "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees Celsius and sunny"}]
+    answer = client.chat.completions.create(model=NAME, messages=turn, tools=[WEATHER_TOOL], max_tokens=40,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason == "stop" and "18" in answer.choices[0].message.content
+    assert not answer.choices[0].message.tool_calls

@@ -135,3 +135,22 @@ def test_conflicting_parameters_are_refused() -> None:
         SamplingParams(structured=s, min_tokens=2)
     with pytest.raises(InvalidRequestError, match="kind"):
         StructuredOutput("xml")
+
+
+def test_after_the_trigger_a_tool_call_follows_its_schema(engine, prompt) -> None:
+    """tool_choice auto's grammar: free text, and once ``<tool_call>`` is written (here given as
+    already emitted) the call's name and schema-valid arguments, then the closing tag."""
+    from pdserve.router.tools import ToolRequest, parse_reply, tool_grammar
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}
+    req = ToolRequest((weather,), "auto")
+    trigger = engine.stopper.tokenizer("<tool_call>", add_special_tokens=False)["input_ids"]
+    grammar = tool_grammar(req).after(trigger)
+    for seed in range(5):
+        out = engine.generate([prompt + trigger], SamplingParams(max_tokens=80, temperature=0.9, seed=seed,
+                                                                 structured=grammar))[0]
+        reply = parse_reply("<tool_call>" + text(engine, out), req)
+        assert [c["function"]["name"] for c in reply.tool_calls] == ["get_weather"], text(engine, out)
+        assert set(json.loads(reply.tool_calls[0]["function"]["arguments"])) == {"city"}
