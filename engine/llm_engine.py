@@ -191,6 +191,9 @@ class LLMEngine:
         for tok in prompt:
             if isinstance(tok, bool) or not isinstance(tok, int) or not (0 <= tok < vocab):
                 raise InvalidRequestError(f"token id {tok!r} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.allowed_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"allowed_token_ids names token id {bad}, outside the vocabulary [0, {vocab})")
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab})")

@@ -51,7 +51,8 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
 
 
 def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
-    """Apply ``seq``'s penalties, ``logit_bias`` and ``min_tokens`` to its logits row, in place."""
+    """Apply ``seq``'s penalties, ``allowed_token_ids``, ``logit_bias`` and ``min_tokens`` to its
+    logits row, in place."""
     p = seq.params
     vocab = row.numel()
     out = torch.tensor(seq.output_token_ids, dtype=torch.int64)
@@ -63,6 +64,11 @@ def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
     if (p.frequency_penalty or p.presence_penalty) and out.numel():
         counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.allowed_token_ids:
+        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.int64)
+        allowed = torch.full_like(row, float("-inf"))
+        allowed[keep] = row[keep]
+        row.copy_(allowed)
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64)
         row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)

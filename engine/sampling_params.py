@@ -42,6 +42,7 @@ class SamplingParams:
     request before that many tokens (they are masked out of the choice until then).
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before the choice
     (OpenAI's; -100 to 100: -100 in effect bans a token, 100 all but forces it).
+    ``allowed_token_ids`` (vLLM's): when set, only these tokens may be chosen.
     Text (vLLM's): ``skip_special_tokens`` leaves special tokens out of the text;
     ``include_stop_str_in_output`` keeps the stop string that ended the text in it.
     ``structured``: a grammar every sampled token must follow (``engine/structured.py``); the
@@ -63,6 +64,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
@@ -75,6 +77,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif not isinstance(self.logit_bias, tuple):
@@ -89,7 +93,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty or ``min_tokens`` changes this request's logits before the choice."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0 or bool(self.logit_bias))
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0 or bool(self.logit_bias)
+                or bool(self.allowed_token_ids))
 
     def _validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -139,6 +144,9 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be a number between 0 and 1 (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for tok in self.allowed_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"allowed_token_ids must be non-negative integers, got {tok!r}")
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")

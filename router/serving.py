@@ -43,7 +43,7 @@ from pdserve.router.tools import ToolRequest, render_messages
 from pdserve.router.validation import (
     ParsedRequest,
     TokenizeRequest,
-    check_logit_bias,
+    check_token_fields,
     check_model,
     check_prompt_chars,
     check_prompt_tokens,
@@ -112,7 +112,8 @@ class Serving:
         return list(self.tokenizer(text)["input_ids"])
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: ToolRequest | None = None) -> list[int]:
+                     tools: ToolRequest | None = None, continue_final_message: bool = False,
+                     template_kwargs: dict | None = None) -> list[int]:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError(f"model '{self.info.name}' has no chat template; use /v1/completions")
@@ -120,6 +121,9 @@ class Serving:
         # other gets them written into the messages (router/tools.py).
         reads_tools = isinstance(template, str) and "tools" in template and "tool_calls" in template
         extra = {"tools": list(tools.tools)} if tools is not None and reads_tools else {}
+        extra.update(template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
         if not reads_tools:
             messages = render_messages(messages, tools, False)
         try:
@@ -156,14 +160,17 @@ class Serving:
         if parsed.prompt_token_ids is not None:
             ids = list(parsed.prompt_token_ids)
         elif parsed.messages is not None:
-            ids = await asyncio.to_thread(self._encode_chat, parsed.messages, True, parsed.tools)
+            ids = await asyncio.to_thread(self._encode_chat, parsed.messages, parsed.add_generation_prompt,
+                                          parsed.tools, parsed.continue_final_message, parsed.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(self._encode_text, parsed.prompt_text or "")
+        if parsed.truncate_prompt_tokens is not None:
+            ids = ids[-parsed.truncate_prompt_tokens:]   # vLLM's: the prompt's last k tokens
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)
         max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens,
                                         limit=self.limits.max_tokens_limit, field_name=parsed.max_tokens_field)
         params = parsed.sampling_params(max_tokens)
-        check_logit_bias(params.logit_bias, self.info.vocab_size)
+        check_token_fields(params, self.info.vocab_size)
         request_id = uuid.uuid4().hex
         logger.debug("request %s is the client's %r", request_id, client_id)
         return PreparedRequest(request_id, ids, params, parsed.priority, client_id)

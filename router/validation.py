@@ -55,13 +55,15 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                             "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
+                            "allowed_token_ids", "truncate_prompt_tokens",
                             "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
 MAX_CHOICES = 64   # n (or best_of) times the prompts of one request
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls"}
+                                 "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+                                 "chat_template_kwargs"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,10 @@ class ParsedRequest:
     include_usage: bool = False
     priority: Priority = Priority.INTERACTIVE
     tools: ToolRequest | None = None  # chat: the tools and what to do with them (router/tools.py)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's)
+    add_generation_prompt: bool = True         # chat: open the assistant's turn
+    continue_final_message: bool = False       # chat: continue the last (assistant) message instead
+    chat_template_kwargs: dict | None = None   # chat: extra variables for the template
     n: int = 1            # choices returned for this prompt
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
     echo: bool = False    # the prompt's text leads each choice (completions)
@@ -229,6 +235,11 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         flag = _opt_bool(body, name)
         if flag is not None and flag is not neutral:
             out[name] = flag
+    if body.get("allowed_token_ids") is not None:
+        allowed = _token_ids(body["allowed_token_ids"], "allowed_token_ids")
+        if not allowed:
+            raise _bad("allowed_token_ids", "'allowed_token_ids' is empty: no token could be chosen")
+        out["allowed_token_ids"] = tuple(allowed)
     bias = body.get("logit_bias")
     if bias is not None:
         out["logit_bias"] = parse_logit_bias(bias)
@@ -274,10 +285,13 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def check_logit_bias(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
-    bad = next((t for t, _ in pairs if t >= vocab_size), None)
-    if bad is not None:
-        raise _bad("logit_bias", f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab_size})")
+def check_token_fields(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names in its sampling fields must be in the vocabulary."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise _bad(name, f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -394,6 +408,7 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         raise _bad("best_of", "'best_of' cannot be streamed: the best choices are known only at the end; "
                               "leave 'stream' out, or use 'n'")
     echo = bool(_opt_bool(body, "echo")) if not chat else False
+    truncate = _opt_int(body, "truncate_prompt_tokens", lo=1)
     if echo and body.get("logprobs") is not None:
         raise _bad("echo", "'echo' with 'logprobs' is not supported: pdserve does not score the prompt's "
                            "tokens; leave one of them out")
@@ -403,6 +418,7 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
+                truncate_prompt_tokens=truncate,
                 sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
 
 
@@ -479,6 +495,24 @@ def parse_chat_body(body: Any) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    gen = _opt_bool(body, "add_generation_prompt")
+    cont = bool(_opt_bool(body, "continue_final_message"))
+    if cont and gen:
+        raise _bad("continue_final_message", "'continue_final_message' continues the last message, so "
+                                             "'add_generation_prompt' must be false with it")
+    if cont and (not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant"):
+        raise _bad("continue_final_message", "'continue_final_message' needs the last message to be the assistant's")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables")
+        reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "tokenize", "documents", "chat_template"})
+        if reserved:
+            raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set '{reserved[0]}'; use the "
+                                               "request field of that name")
+    common.update(add_generation_prompt=not cont if gen is None else gen, continue_final_message=cont,
+                  chat_template_kwargs=kwargs or None)
     tools = parse_tools(body)
     grammar = tool_grammar(tools) if tools is not None else None
     if grammar is not None:

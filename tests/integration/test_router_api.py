@@ -614,3 +614,29 @@ def test_skip_special_tokens_and_include_stop_str_in_output(stack: Stack) -> Non
                                      extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
     stack.wait_idle()
+
+
+def test_vllm_prompt_and_token_extensions(stack: Stack) -> None:
+    """allowed_token_ids, truncate_prompt_tokens, and the chat template's add_generation_prompt,
+    continue_final_message and chat_template_kwargs, as vLLM serves them."""
+    client = stack.client()
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=2,
+                                  extra_body={"allowed_token_ids": [42, 43], "ignore_eos": True})
+    assert set(r.pdserve["token_ids"]) <= {42, 43} and len(r.pdserve["token_ids"]) == 6
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True})
+    assert r.usage.prompt_tokens == 3
+    partial = [*CHAT, {"role": "assistant", "content": "Red, and"}]
+    text = stack.tokenizer.apply_chat_template(partial, continue_final_message=True, tokenize=False)
+    r = client.chat.completions.create(model="tiny", messages=partial, max_tokens=2, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "chat_template_kwargs": {"unused_flag": True}})
+    assert r.usage.prompt_tokens == len(stack.tokenizer(text, add_special_tokens=False)["input_ids"])
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=CHAT if "continue" in param else partial,
+                                           max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+    stack.wait_idle()
