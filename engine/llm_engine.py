@@ -170,7 +170,7 @@ class LLMEngine:
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        priority=priority, eos_token_ids=frozenset(self.spec.eos_token_ids))
         if params.structured is not None:
-            seq.grammar = self.grammars.grammar(params.structured)
+            seq.grammar = self.grammars.grammar(params.structured, params.prior_output)
         return seq
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

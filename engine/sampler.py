@@ -55,9 +55,11 @@ def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
     logits row, in place."""
     p = seq.params
     vocab = row.numel()
-    out = torch.tensor(seq.output_token_ids, dtype=torch.int64)
+    # the output so far, an earlier attempt's included (it is in this attempt's prompt as well)
+    out = torch.tensor([*p.prior_output, *seq.output_token_ids], dtype=torch.int64)
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.int64), out]))
+        seen = torch.unique(torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.int64),
+                                       torch.tensor(seq.output_token_ids, dtype=torch.int64)]))
         seen = seen[seen < vocab]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -167,7 +169,7 @@ class Sampler:
                 "distribution (NaN, inf or every token filtered out); use temperature 0 (greedy) or a "
                 "larger temperature, and a larger top_p")
         if p.seed is not None:
-            gen = torch.Generator().manual_seed(_step_seed(p.seed, len(seq.output_token_ids)))
+            gen = torch.Generator().manual_seed(_step_seed(p.seed, len(p.prior_output) + len(seq.output_token_ids)))
         else:
             gen = self._rng
         return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -68,6 +68,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    # Output tokens an earlier attempt of this request already produced (a migration re-prefills
+    # them as part of the prompt): the penalties count them, seeded draws continue after them and
+    # the grammar consumes them first. Set by the router, never by a client.
+    prior_output: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -77,6 +81,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.prior_output, tuple):
+            object.__setattr__(self, "prior_output", tuple(self.prior_output))
         if not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if isinstance(self.logit_bias, dict):

@@ -16,7 +16,7 @@ per-token cost, ``bench/grammar_libs.py`` and ``docs/benchmarks.md``).
   the chosen token. Rows without a grammar pay nothing.
 * A grammar's state is the tokens it has consumed, so it follows a request anywhere: a decode
   worker's matcher consumes the first token the prefill worker sampled, and after a migration
-  ``StructuredOutput.emitted`` (the tokens the client already got) is consumed first.
+  ``SamplingParams.prior_output`` (the tokens the client already got) is consumed first.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 import logging
 import re
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.errors import InvalidRequestError
@@ -53,25 +53,17 @@ def _xgr():
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What a request's output must match. ``spec``: the JSON schema's text (``json_schema``),
-    the regex, the EBNF grammar, or a JSON list of strings (``choice``); empty for
-    ``json_object``. ``emitted``: output tokens of an earlier attempt that the grammar consumes
-    before this attempt samples (a migration)."""
+    the regex, the EBNF grammar, a JSON list of strings (``choice``), the tags (``structural_tag``);
+    empty for ``json_object``."""
 
     kind: str
     spec: str = ""
-    emitted: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"a {self.kind} may be at most {MAX_SPEC_CHARS} characters")
-        if not isinstance(self.emitted, tuple):
-            object.__setattr__(self, "emitted", tuple(self.emitted))
-
-    def after(self, emitted: list[int] | tuple[int, ...]) -> StructuredOutput:
-        """The same grammar for an attempt that continues after ``emitted`` more tokens."""
-        return replace(self, emitted=self.emitted + tuple(emitted))
 
     @property
     def key(self) -> tuple[str, str]:
@@ -116,9 +108,11 @@ def _grammar(s: StructuredOutput) -> Any:
             return xgr.Grammar.from_regex(_choice_regex(s.spec))
         if s.kind == "structural_tag":  # free text; after a trigger, a tagged JSON value (tool calls)
             spec = json.loads(s.spec)
-            tags = [xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
+            tags = [{"type": "tag", "begin": t["begin"], "end": t["end"],
+                     "content": {"type": "json_schema", "json_schema": t["schema"], "max_whitespace_cnt": 1}}
                     for t in spec["tags"]]
-            return xgr.Grammar.from_structural_tag(tags, spec["triggers"])
+            return xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
         return xgr.Grammar.from_ebnf(s.spec)
     except InvalidRequestError:
         raise
@@ -174,8 +168,8 @@ class GrammarBook:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
             return self._compiler
 
-    def grammar(self, s: StructuredOutput) -> RequestGrammar:
-        """A fresh place in ``s`` that has consumed ``s.emitted``."""
+    def grammar(self, s: StructuredOutput, prior: tuple[int, ...] = ()) -> RequestGrammar:
+        """A fresh place in ``s`` that has consumed ``prior`` (an earlier attempt's output)."""
         xgr = _xgr()
         compiler = self._compiler_once()
         try:
@@ -186,7 +180,7 @@ class GrammarBook:
             raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
         g = RequestGrammar(s.kind, xgr.GrammarMatcher(compiled),
                            self._control_ban if s.kind in ("json_schema", "json_object") else None)
-        for tok in s.emitted:
+        for tok in prior:
             if not g.accept(tok):
                 raise InvalidRequestError(f"token {tok} already emitted does not follow the {s.kind}")
         return g

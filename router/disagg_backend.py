@@ -143,12 +143,11 @@ class DisaggBackend:
         for attempt_no in range(1, self.max_attempts + 1):
             acc.attempts = attempt_no
             prompt = req.prompt_token_ids + emitted
-            # A later attempt continues the output: what is left of the budgets, and the grammar
-            # (if any) picks up after the tokens the client already got.
-            structured = req.params.structured
+            # A later attempt continues the output: what is left of the budgets, and the tokens
+            # the client already got (penalties, seeded draws and the grammar go on after them).
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
                              min_tokens=max(0, req.params.min_tokens - len(emitted)),
-                             structured=structured.after(emitted) if structured and emitted else structured)
+                             prior_output=req.params.prior_output + tuple(emitted))
             attempt = f"{req.request_id}#{attempt_no}"
             try:
                 decision = await self._route(prompt, excluded, req.deadline, prefer)

@@ -129,8 +129,9 @@ def test_decode_worker_lost_mid_stream_is_migrated_without_gap_or_duplicate(clus
 
 
 def test_a_constrained_stream_keeps_its_grammar_across_a_migration(cluster: ClusterHarness) -> None:
-    """The new attempt's grammar consumes the tokens the client already got, so the migrated
-    stream goes on inside the grammar: token for token the engine's uninterrupted output."""
+    """The new attempt continues after the tokens the client already got: its grammar consumes
+    them, its seeded draws and its frequency penalty go on from them, so the migrated stream is
+    token for token the engine's uninterrupted output."""
     import re
 
     from pdserve.engine.sampling_params import SamplingParams
@@ -141,13 +142,14 @@ def test_a_constrained_stream_keeps_its_grammar_across_a_migration(cluster: Clus
     regex = "[a-z]{20}( [a-z]{20}){20}"
     engine = reference_engine(cluster.config)
     ids = list(engine.stopper.tokenizer(SHORT_PROMPT)["input_ids"])
-    expected = engine.generate([ids], SamplingParams(max_tokens=MID, temperature=0,
+    expected = engine.generate([ids], SamplingParams(max_tokens=MID, temperature=0.8, seed=5, frequency_penalty=0.3,
                                                      structured=StructuredOutput("regex", regex)))[0]
     assert len(expected) > 2 * KILL_AFTER
     killed: list[str] = []
     migrations = cluster.service.backend.migrations
     stream = cluster.openai().completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=MID,
-                                                 temperature=0, stream=True, extra_body={"guided_regex": regex})
+                                                 temperature=0.8, seed=5, frequency_penalty=0.3, stream=True,
+                                                 extra_body={"guided_regex": regex})
     tokens: list[int] = []
     text, phase = "", {}
     for n, chunk in enumerate(stream, 1):

@@ -97,12 +97,19 @@ def test_a_constrained_request_leaves_its_free_neighbours_token_identical(engine
 
 def test_the_grammar_follows_a_request_that_continues_elsewhere(engine, prompt) -> None:
     """A migration re-prefills prompt + what the client got, and the grammar consumes those tokens
-    first (``StructuredOutput.after``): greedy, the continuation is the uninterrupted output's tail."""
+    first (``SamplingParams.prior_output``): the continuation is the uninterrupted output's tail,
+    greedy and seeded alike."""
     s = StructuredOutput("json_schema", json.dumps(SCHEMA))
     whole = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured=s))[0]
     cut = len(whole) // 2
     rest = engine.generate([prompt + whole[:cut]], SamplingParams(max_tokens=MAX_TOKENS - cut, temperature=0,
-                                                                 structured=s.after(whole[:cut])))[0]
+                                                                 structured=s, prior_output=whole[:cut]))[0]
+    assert whole[:cut] + rest == whole
+    seeded = dict(temperature=0.9, seed=7, structured=s, frequency_penalty=0.5)
+    whole = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, **seeded))[0]
+    cut = len(whole) // 2
+    rest = engine.generate([prompt + whole[:cut]], SamplingParams(max_tokens=MAX_TOKENS - cut, prior_output=whole[:cut],
+                                                                 **seeded))[0]
     assert whole[:cut] + rest == whole
     # without the tokens already emitted, the grammar would start a new document mid-object
     fresh = engine.generate([prompt + whole[:cut]], SamplingParams(max_tokens=MAX_TOKENS - cut, temperature=0,
@@ -147,10 +154,10 @@ def test_after_the_trigger_a_tool_call_follows_its_schema(engine, prompt) -> Non
         "additionalProperties": False}}}
     req = ToolRequest((weather,), "auto")
     trigger = engine.stopper.tokenizer("<tool_call>", add_special_tokens=False)["input_ids"]
-    grammar = tool_grammar(req).after(trigger)
+    grammar = tool_grammar(req)
     for seed in range(5):
-        out = engine.generate([prompt + trigger], SamplingParams(max_tokens=80, temperature=0.9, seed=seed,
-                                                                 structured=grammar))[0]
+        out = engine.generate([prompt + trigger], SamplingParams(max_tokens=240, temperature=0.9, seed=seed,
+                                                                 structured=grammar, prior_output=trigger))[0]
         reply = parse_reply("<tool_call>" + text(engine, out), req)
         assert [c["function"]["name"] for c in reply.tool_calls] == ["get_weather"], text(engine, out)
         assert set(json.loads(reply.tool_calls[0]["function"]["arguments"])) == {"city"}
