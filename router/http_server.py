@@ -120,7 +120,8 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
     client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
-                              logprobs=prepared.params.logprobs, tools=parsed.tools)
+                              logprobs=prepared.params.logprobs, tools=parsed.tools,
+                              tokens_as_ids=parsed.tokens_as_ids)
     # Ids are scoped per API key; without authentication every client shares one scope.
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
@@ -214,7 +215,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
 
     def builder(index: int) -> ResponseBuilder:
         return ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat, logprobs=wanted_logprobs,
-                               index=index, tools=parsed[0].tools)
+                               index=index, tools=parsed[0].tools, tokens_as_ids=parsed[0].tokens_as_ids)
 
     if not parsed[0].stream:
         chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}

@@ -37,7 +37,9 @@ class ResponseBuilder:
     """Shapes one request's chunks into OpenAI JSON; ``chat`` picks the chat format."""
 
     def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
-                 logprobs: int | None, index: int = 0, tools: ToolRequest | None = None) -> None:
+                 logprobs: int | None, index: int = 0, tools: ToolRequest | None = None,
+                 tokens_as_ids: bool = False) -> None:
+        self._tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self.request_id = request_id
         self.index = index  # the choice this builder shapes (n > 1, several prompts)
         # Chat with tools the model may call: the reply's calls become tool_calls (router/tools.py).
@@ -55,6 +57,8 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def _token_str(self, token_id: int) -> str:
+        if self._tokens_as_ids:
+            return f"token_id:{token_id}"
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def logprobs_body(self, chunks: list[Chunk]) -> dict | None:

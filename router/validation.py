@@ -55,7 +55,8 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                             "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
-                            "allowed_token_ids", "truncate_prompt_tokens",
+                            "allowed_token_ids", "truncate_prompt_tokens", "structured_outputs",
+                            "return_tokens_as_token_ids",
                             "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
@@ -85,6 +86,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True         # chat: open the assistant's turn
     continue_final_message: bool = False       # chat: continue the last (assistant) message instead
     chat_template_kwargs: dict | None = None   # chat: extra variables for the template
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     n: int = 1            # choices returned for this prompt
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
     echo: bool = False    # the prompt's text leads each choice (completions)
@@ -298,10 +300,42 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
            "guided_grammar": "grammar"}
 
 
+_STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                            "grammar": "guided_grammar"}
+
+
+def _from_structured_outputs(body: dict) -> dict:
+    """vLLM's newer ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar`` or
+    ``json_object``), as the ``guided_*`` field it stands for."""
+    so = body.get("structured_outputs")
+    if so is None:
+        return body
+    if not isinstance(so, dict):
+        raise _bad("structured_outputs", "'structured_outputs' must be an object such as {\"json\": {...}}")
+    set_keys = [k for k, v in so.items() if v is not None and v is not False]
+    unknown = sorted(set(so) - set(_STRUCTURED_OUTPUTS_KEYS) - {"json_object"})
+    if unknown:
+        raise _bad("structured_outputs", f"unknown field '{_clip(str(unknown[0]))}' in 'structured_outputs'; "
+                                         f"it takes one of: json, regex, choice, grammar, json_object")
+    if len(set_keys) != 1:
+        raise _bad("structured_outputs", "'structured_outputs' must set exactly one of: json, regex, choice, "
+                                         "grammar, json_object")
+    key = set_keys[0]
+    if key == "json_object":
+        if so[key] is not True:
+            raise _bad("structured_outputs", "'structured_outputs.json_object' must be true")
+        return {**body, "structured_outputs": None, "response_format": {"type": "json_object"}}
+    return {**body, "structured_outputs": None, _STRUCTURED_OUTPUTS_KEYS[key]: so[key]}
+
+
 def parse_structured(body: dict) -> StructuredOutput | None:
     """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) or one of vLLM's
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (EBNF), checked
     by compiling it; None when the output is free text."""
+    if body.get("structured_outputs") is not None and any(body.get(n) is not None for n in ("response_format", *_GUIDED)):
+        raise _bad("structured_outputs", "'structured_outputs' and another structured output field both constrain "
+                                         "the output; send one of them")
+    body = _from_structured_outputs(body)
     given = [name for name in ("response_format", *_GUIDED) if body.get(name) is not None]
     fmt = body.get("response_format")
     if fmt is not None:
@@ -409,6 +443,7 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
                               "leave 'stream' out, or use 'n'")
     echo = bool(_opt_bool(body, "echo")) if not chat else False
     truncate = _opt_int(body, "truncate_prompt_tokens", lo=1)
+    tokens_as_ids = bool(_opt_bool(body, "return_tokens_as_token_ids"))
     if echo and body.get("logprobs") is not None:
         raise _bad("echo", "'echo' with 'logprobs' is not supported: pdserve does not score the prompt's "
                            "tokens; leave one of them out")
@@ -418,7 +453,7 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
-                truncate_prompt_tokens=truncate,
+                truncate_prompt_tokens=truncate, tokens_as_ids=tokens_as_ids,
                 sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
 
 

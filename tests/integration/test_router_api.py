@@ -640,3 +640,12 @@ def test_vllm_prompt_and_token_extensions(stack: Stack) -> None:
                                            max_tokens=2, extra_body=extra)
         assert info.value.body["param"] == param, info.value.body
     stack.wait_idle()
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stack: Stack) -> None:
+    r = stack.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    ids = r.pdserve["token_ids"]
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in r.choices[0].logprobs.top_logprobs for k in top)
+    stack.wait_idle()

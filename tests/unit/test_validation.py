@@ -380,3 +380,20 @@ def test_several_prompts_n_best_of_and_echo_parse() -> None:
         ("a", None, 2, 3, True), (None, [5, 6], 2, 3, True)]
     one = parse_chat_body(chat(n=4))
     assert (one.n, one.best_of, one.echo) == (4, 4, False)
+
+
+def test_vllms_structured_outputs_field_maps_to_the_guided_ones() -> None:
+    from pdserve.engine.structured import StructuredOutput
+
+    schema = {"type": "object"}
+    for so, want in (({"json": schema}, StructuredOutput("json_schema", '{"type":"object"}')),
+                     ({"regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
+                     ({"choice": ["x", "y"]}, StructuredOutput("choice", '["x", "y"]')),
+                     ({"json_object": True}, StructuredOutput("json_object"))):
+        assert parse_completion_body(completion(structured_outputs=so)).sampling_params(4).structured == want
+    for so, words in (({"regex": "a", "choice": ["b"]}, "exactly one"), ({"xml": "x"}, "unknown field 'xml'"),
+                      ("json", "must be an object")):
+        with pytest.raises(InvalidRequestError, match=words):
+            parse_completion_body(completion(structured_outputs=so))
+    with pytest.raises(InvalidRequestError, match="send one of them"):
+        parse_completion_body(completion(structured_outputs={"regex": "a"}, guided_regex="b"))
