@@ -429,4 +429,7 @@ def format_status(status: dict) -> str:
                          f"attention {w.get('attention_backend', '?')}")
     for d in status.get("planner", []):
         lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
+    for b in status.get("batches", []):
+        lines.append(f"batch {b['id']} {b['status']}: {b['completed'] + b['failed']}/{b['total']} done "
+                     f"({b['failed']} failed), {b['running']} running  {b['endpoint']}")
     return "\n".join(lines)

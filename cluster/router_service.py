@@ -22,11 +22,13 @@ from pdserve.cluster.pool_manager import PoolManager
 from pdserve.cluster.reaper import LeaseReaper
 from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
 from pdserve.cluster.redis_server import connect
+from pdserve.cluster.batch_store import RedisBatchStore
 from pdserve.cluster.request_log import RequestLog
 from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeyAuth, grpc_server_credentials, server_ssl_context
 from pdserve.router.backend import ModelInfo
+from pdserve.router.batch_api import BatchRunner
 from pdserve.router.disagg_backend import DisaggBackend
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
@@ -110,6 +112,9 @@ class RouterService:
             self.ledger = KVLedger(self.redis_client, namespace=redis_namespace)
             self.request_log = RequestLog(self.redis_client, stream=f"{redis_namespace}:requests")
         self.reap_interval_s = reap_interval_s
+        self.redis_namespace = redis_namespace
+        self.batch_store: RedisBatchStore | None = None
+        self.batch_runner: BatchRunner | None = None
         self.backend: DisaggBackend | None = None
         self.serving: Serving | None = None
         self._servers: list = []
@@ -154,9 +159,13 @@ class RouterService:
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router
         tls = bool(r.tls_cert_file and r.tls_key_file)
+        if self.redis_client is not None:  # the Batch API keeps its files, batches and results in Redis
+            self.batch_store = RedisBatchStore(self.redis_client, namespace=self.redis_namespace)
+            self.batch_runner = BatchRunner(self.serving, self.batch_store)
+            self.serving.metrics.add_gauge("batch_items_running", lambda: self.batch_runner.running)
         http = await start_http_server(
             self.serving, host=r.host, port=r.http_port, auth=auth, max_body_bytes=r.max_request_bytes,
-            body_timeout_s=r.body_timeout_s,
+            body_timeout_s=r.body_timeout_s, batches=self.batch_store,
             ssl_context=server_ssl_context(str(r.tls_cert_file), str(r.tls_key_file)) if tls else None)
         grpc = await start_grpc_server(
             self.serving, host=r.host, port=r.grpc_port, auth=auth,
@@ -169,6 +178,8 @@ class RouterService:
             self._tasks.append(loop.create_task(self._reap_loop()))
         if cfg.planner.enabled:
             self._tasks.append(loop.create_task(self._plan_loop()))
+        if self.batch_runner is not None:
+            self._tasks.append(loop.create_task(self.batch_runner.run(), name="batch-runner"))
         logger.info("router serving: HTTP %s, gRPC %s", http.base_url, grpc.target)
         return self.endpoints
 
@@ -182,6 +193,8 @@ class RouterService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.batch_runner is not None:
+            await self.batch_runner.close()
         for s in self._servers:
             await s.stop()
         await self.pool.stop()
@@ -320,4 +333,5 @@ class RouterService:
             "retries": self.backend.retries if self.backend else 0,
             "uptime_s": time.time() - self.started_at,
             "redis": dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
+            "batches": self.batch_runner.snapshot if self.batch_runner is not None else [],
         }

@@ -45,6 +45,7 @@ def _add_registered(sub: argparse._SubParsersAction, module: str) -> None:
 _REGISTERED = (
     "pdserve.bench.cli",
     "pdserve.cluster.cli",
+    "pdserve.cluster.batch_cli",
 )
 
 

@@ -162,3 +162,11 @@ def grpc_trailing_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
     if isinstance(exc, OverloadedError):
         return (("retry-after-ms", str(max(1, int(exc.retry_after_s * 1000)))),)
     return ()
+
+
+class ResourceNotFoundError(PdserveError):
+    """A file or batch id this server does not know (404, OpenAI's ``not_found_error``)."""
+
+    grpc_status = "NOT_FOUND"
+    http_status = 404
+    error_type = "not_found_error"

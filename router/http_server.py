@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from pdserve.router.openai_format import ResponseBuilder, usage_totals
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
+from pdserve.router import batch_api
+from pdserve.router.batch_api import BatchStore
 from pdserve.router.choices import ChoiceRequest, fork, run_choices
 from pdserve.router.validation import (ParsedRequest, check_model, check_request_id, parse_chat_body,
                                        parse_completion_bodies, parse_detokenize_body, parse_tokenize_body)
@@ -44,6 +47,7 @@ _AUTH = web.AppKey("auth", ApiKeyAuth)
 _MAX_BODY = web.AppKey("max_body", int)
 _BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 _REJECTIONS = web.AppKey("rejections", RejectionLog)
+_BATCHES = web.AppKey("batches", object)
 
 
 def error_response(exc: BaseException) -> web.Response:
@@ -338,6 +342,120 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": serving.detokenize(ids)})
 
 
+# ----------------------------------------------------------------------- Batch API
+def _store(request: web.Request) -> BatchStore:
+    _check_auth(request)
+    store = request.app[_BATCHES]
+    if store is None:
+        raise errors.RouteNotFoundError(f"{request.path[:64]}: the Batch API needs the cluster's Redis "
+                                        "(pdserve up); this server runs without it")
+    return store
+
+
+async def _io(fn, *args):
+    return await asyncio.to_thread(fn, *args)
+
+
+async def upload_file(request: web.Request) -> web.Response:
+    """``POST /v1/files`` (multipart: ``purpose`` and ``file``), as OpenAI's."""
+    store = _store(request)
+    if not request.content_type.startswith("multipart/"):
+        raise errors.UnsupportedMediaTypeError("upload the file as multipart/form-data with 'purpose' and 'file'")
+    purpose, content, filename = None, None, "upload.jsonl"
+    reader = await request.multipart()
+    async for part in reader:
+        if part.name == "purpose":
+            purpose = (await part.read(decode=True)).decode("utf-8", "replace")[:64]
+        elif part.name == "file":
+            filename = part.filename or filename
+            buf = bytearray()
+            while chunk := await part.read_chunk(1 << 20):
+                buf += chunk
+                if len(buf) > batch_api.MAX_FILE_BYTES:
+                    raise errors.RequestTooLargeError(f"the file is larger than {batch_api.MAX_FILE_BYTES} bytes")
+            content = bytes(buf)
+        else:
+            raise errors.InvalidParameterError(f"unknown form field '{str(part.name)[:64]}'; send 'purpose' and 'file'",
+                                               param=str(part.name)[:64])
+    if content is None:
+        raise errors.InvalidParameterError("the form has no 'file' part", param="file")
+    batch_api.check_upload(purpose, content)
+    meta = batch_api.new_file(content, filename, "batch")
+    await _io(store.put_file, meta, content)
+    return web.json_response(batch_api.file_object(meta))
+
+
+async def get_file(request: web.Request) -> web.Response:
+    store = _store(request)
+    meta = await _io(store.file, request.match_info["file_id"])
+    if meta is None:
+        raise errors.ResourceNotFoundError(f"no file '{request.match_info['file_id'][:64]}'")
+    return web.json_response(batch_api.file_object(meta))
+
+
+async def get_file_content(request: web.Request) -> web.Response:
+    store = _store(request)
+    content = await _io(store.file_content, request.match_info["file_id"])
+    if content is None:
+        raise errors.ResourceNotFoundError(f"no file '{request.match_info['file_id'][:64]}'")
+    return web.Response(body=content, content_type="application/octet-stream")
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    store = _store(request)
+    fid, endpoint, window, metadata = batch_api.check_create(await _read_json(request))
+    meta = await _io(store.file, fid)
+    if meta is None:
+        raise errors.ResourceNotFoundError(f"no file '{fid[:64]}'")
+    if meta["purpose"] != "batch":
+        raise errors.InvalidParameterError(f"file '{fid[:64]}' is a {meta['purpose']} file, not a batch input",
+                                           param="input_file_id")
+    items, problems = batch_api.check_lines(await _io(store.file_content, fid), endpoint)
+    batch = batch_api.new_batch(fid, endpoint, window, metadata, len(items) if not problems else 0)
+    if problems:  # as OpenAI: the batch fails validation as a whole, each bad line named
+        batch.update(status="failed", failed_at=batch["created_at"], in_progress_at=None,
+                     errors={"object": "list", "data": problems[:1000]})
+        items = []
+    await _io(store.put_batch, batch, items)
+    return web.json_response(await _io(store.batch, batch["id"]))
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    store = _store(request)
+    b = await _io(store.batch, request.match_info["batch_id"])
+    if b is None:
+        raise errors.ResourceNotFoundError(f"no batch '{request.match_info['batch_id'][:64]}'")
+    return web.json_response(b)
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    store = _store(request)
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise errors.InvalidParameterError("'limit' must be an integer from 1 to 100", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise errors.InvalidParameterError("'limit' must be an integer from 1 to 100", param="limit")
+    page = await _io(store.batches, limit + 1, request.query.get("after"))
+    data = page[:limit]
+    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    store = _store(request)
+    bid = request.match_info["batch_id"]
+    b = await _io(store.batch, bid)
+    if b is None:
+        raise errors.ResourceNotFoundError(f"no batch '{bid[:64]}'")
+    if b["status"] not in ("validating", "in_progress", "finalizing", "cancelling"):
+        raise errors.InvalidParameterError(f"batch '{bid[:64]}' is {b['status']}; only a running batch can be "
+                                           "cancelled", param="batch_id")
+    if b["status"] != "cancelling":
+        b = await _io(store.update_batch, bid, {"status": "cancelling", "cancelling_at": int(time.time())})
+    return web.json_response(b)
+
+
 async def version(request: web.Request) -> web.Response:
     from pdserve import __version__
 
@@ -355,8 +473,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
+             body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, batches: BatchStore | None = None) -> web.Application:
     app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes)
+    app[_BATCHES] = batches
     app[_SERVING] = serving
     app[_AUTH] = auth or ApiKeyAuth()
     app[_MAX_BODY] = max_body_bytes
@@ -368,6 +487,13 @@ def make_app(serving: Serving, *, auth: ApiKeyAuth | None = None, max_body_bytes
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    app.router.add_post("/v1/files", upload_file)
+    app.router.add_get("/v1/files/{file_id}", get_file)
+    app.router.add_get("/v1/files/{file_id}/content", get_file_content)
+    app.router.add_post("/v1/batches", create_batch)
+    app.router.add_get("/v1/batches", list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
@@ -391,9 +517,12 @@ class HttpServer:
 async def start_http_server(serving: Serving, *, host: str = "127.0.0.1", port: int = 0,
                             auth: ApiKeyAuth | None = None, ssl_context: ssl.SSLContext | None = None,
                             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                            body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> HttpServer:
-    """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``)."""
-    app = make_app(serving, auth=auth, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+                            body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                            batches: BatchStore | None = None) -> HttpServer:
+    """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``). ``batches``: the Batch
+    API's store (``cluster/batch_store.py``); without it the Batch API answers 404."""
+    app = make_app(serving, auth=auth, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                   batches=batches)
     # auto_decompress off: router.http_body decompresses known codings itself, bounded in size.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()

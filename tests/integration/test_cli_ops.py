@@ -144,6 +144,18 @@ def test_up_status_request_tail_down(state_dir: Path, tiny_model: Path) -> None:
     assert left["outcome"] == "cancelled" and left["finish_reason"] == "abort" and left["api"] == "http"
     assert 0 < left["output_tokens"] < 200 and left["decode_worker"].startswith("decode-")
 
+    # The Batch API through the cluster (its state in the cluster's Redis), as an operator runs it.
+    src = state_dir / "batch.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"op-{i}", "method": "POST", "url": "/v1/completions",
+                                       "body": {"model": state["model"], "prompt": PROMPT, "max_tokens": 3,
+                                                "temperature": 0}}) + "\n" for i in range(3)))
+    submitted = pdserve(state_dir, "batch", "submit", str(src))
+    assert submitted.returncode == 0, submitted.stderr
+    watched = pdserve(state_dir, "batch", "status", submitted.stdout.strip(), "--watch", timeout_s=120)
+    assert watched.returncode == 0 and "3/3 (0 failed) completed" in watched.stdout, watched.stdout + watched.stderr
+    got = pdserve(state_dir, "batch", "results", submitted.stdout.strip()).stdout.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in got) == ["op-0", "op-1", "op-2"]
+
     tree = procs.descendants(head)  # the head, its Ray (GCS, raylet, workers), Redis
     assert len(tree) >= 5, procs.describe(tree)
     down = pdserve(state_dir, "down", timeout_s=150)

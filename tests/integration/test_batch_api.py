@@ -1,0 +1,279 @@
+"""The Batch API end to end with the unmodified ``openai`` client: a real HTTP server on
+127.0.0.1, a real engine (tiny model), the files, batches and results in a real Redis with
+persistence on (its own server, so the test may restart it).
+
+Results are matched by ``custom_id`` to the same requests sent one by one; a cancel stops the
+remaining items; the runner is killed and replaced mid-batch, and Redis is restarted mid-batch,
+and every item is still answered exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from pdserve.cluster.batch_store import RedisBatchStore
+from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router.batch_api import BatchRunner
+from pdserve.router.http_server import start_http_server
+from pdserve.router.local_backend import LocalEngineBackend
+from pdserve.router.serving import Serving
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [f"Item {i} of the nightly review batch says" for i in range(40)]
+GEN = 6
+
+
+class Stack:
+    def __init__(self, tiny_model, data_dir) -> None:
+        self.redis = EmbeddedRedis(password="batch-pw", data_dir=data_dir).start()
+        self.client = connect(self.redis.url)
+        self.store = RedisBatchStore(self.client, namespace="bt")
+        self.engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_num_seqs=16,
+                                             warm_up=False))
+        self.backend = LocalEngineBackend(self.engine, model_name="tiny")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="batch-test", daemon=True)
+        self.thread.start()
+        self.serving = self.call(self._serving())
+        self.server = self.call(start_http_server(self.serving, batches=self.store))
+        self.runner: BatchRunner | None = None
+        self.runner_task = None
+        self.start_runner()
+
+    async def _serving(self) -> Serving:
+        return Serving(self.backend, tokenizer=load_tokenizer(self.engine.config.model_dir))
+
+    def call(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start_runner(self, max_concurrent: int = 4) -> None:
+        async def go():
+            self.runner = BatchRunner(self.serving, self.store, poll_s=0.05, max_concurrent=max_concurrent)
+            self.runner_task = asyncio.get_running_loop().create_task(self.runner.run())
+        self.call(go())
+
+    def kill_runner(self) -> None:
+        """The router's death, as far as the batch is concerned: its runner and the items it was
+        running stop where they are; nothing they had not recorded is kept."""
+        async def go():
+            self.runner_task.cancel()
+            await asyncio.gather(self.runner_task, return_exceptions=True)
+            await self.runner.close()
+        self.call(go())
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="none", max_retries=3, timeout=30)
+
+    def close(self) -> None:
+        self.kill_runner()
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.backend.close()
+        self.client.close()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = Stack(tiny_model, tmp_path_factory.mktemp("redis"))
+    yield s
+    s.close()
+
+
+def jsonl(lines: list[dict]) -> io.BytesIO:
+    buf = io.BytesIO(("\n".join(json.dumps(x) for x in lines) + "\n").encode())
+    buf.name = "input.jsonl"
+    return buf
+
+
+def requests(prompts: list[str], tag: str) -> list[dict]:
+    return [{"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "tiny", "prompt": p, "max_tokens": GEN, "temperature": 0, "ignore_eos": True}}
+            for i, p in enumerate(prompts)]
+
+
+def wait_status(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 120.0):
+    end = time.monotonic() + timeout_s
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in statuses:
+            return b
+        assert time.monotonic() < end, f"batch {batch_id} still {b.status}: {b.request_counts}"
+        time.sleep(0.1)
+
+
+def results(client: openai.OpenAI, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    lines = client.files.content(file_id).content.decode().splitlines()
+    out = {}
+    for line in lines:
+        rec = json.loads(line)
+        assert rec["custom_id"] not in out, f"{rec['custom_id']} answered twice"
+        out[rec["custom_id"]] = rec
+    return out
+
+
+def test_a_batch_runs_and_matches_the_requests_sent_one_by_one(stack: Stack) -> None:
+    client = stack.openai()
+    lines = requests(PROMPTS, "a")
+    f = client.files.create(file=jsonl(lines), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).id == f.id
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                              metadata={"job": "nightly"})
+    assert b.status == "in_progress" and b.request_counts.total == len(PROMPTS) and b.metadata == {"job": "nightly"}
+    done = wait_status(client, b.id, {"completed"})
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(PROMPTS), 0)
+    out = results(client, done.output_file_id)
+    assert set(out) == {x["custom_id"] for x in lines} and done.error_file_id is None
+    for line in lines[:8]:  # the same requests, one by one
+        body = dict(line["body"])
+        extra = {"ignore_eos": body.pop("ignore_eos")}
+        alone = client.completions.create(**body, extra_body=extra)
+        got = out[line["custom_id"]]["response"]
+        assert got["status_code"] == 200 and got["body"]["choices"][0]["text"] == alone.choices[0].text
+        assert got["body"]["pdserve"]["token_ids"] == alone.pdserve["token_ids"]
+    assert b.id in [x.id for x in client.batches.list(limit=100).data]
+    assert stack.engine.block_manager.all_free() or wait_free(stack)
+
+
+def wait_free(stack: Stack) -> bool:
+    end = time.monotonic() + 10
+    while not stack.engine.block_manager.all_free():
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    return True
+
+
+def test_bad_lines_fail_the_batch_naming_each_line(stack: Stack) -> None:
+    client = stack.openai()
+    good = requests(PROMPTS[:2], "v")
+    bad = [good[0], {"custom_id": "v-0", "method": "POST", "url": "/v1/completions", "body": {}},
+           {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}, "not an object"]
+    buf = io.BytesIO(("\n".join(json.dumps(x) for x in bad) + "\n{broken\n").encode())
+    buf.name = "bad.jsonl"
+    f = client.files.create(file=buf, purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert b.status == "failed"
+    assert [(e.line, e.code) for e in b.errors.data] == [(2, "duplicate_custom_id"), (3, "invalid_url"),
+                                                          (4, "invalid_request"), (5, "invalid_json")]
+    for kwargs, words in ((dict(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h"),
+                           "no file"),
+                          (dict(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"), "endpoint"),
+                          (dict(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"),
+                           "completion_window")):
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError), match=words):
+            client.batches.create(**kwargs)
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=jsonl(good), purpose="fine-tune")
+    # a request that fails on its own goes to the error file, the others to the output
+    mixed = good + [{"custom_id": "v-bad", "method": "POST", "url": "/v1/completions",
+                     "body": {"model": "tiny", "prompt": "x", "max_tokens": 10 ** 6}}]
+    b = client.batches.create(input_file_id=client.files.create(file=jsonl(mixed), purpose="batch").id,
+                              endpoint="/v1/completions", completion_window="24h")
+    done = wait_status(client, b.id, {"completed"})
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    err = results(client, done.error_file_id)["v-bad"]["response"]
+    assert err["status_code"] == 400 and "max_tokens" in err["body"]["error"]["message"]
+
+
+def test_cancel_stops_the_remaining_items(stack: Stack) -> None:
+    client = stack.openai()
+    lines = [dict(x, body=dict(x["body"], max_tokens=60)) for x in requests(PROMPTS * 3, "c")]
+    b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                              endpoint="/v1/completions", completion_window="24h")
+    end = time.monotonic() + 60
+    while client.batches.retrieve(b.id).request_counts.completed < 3:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    assert client.batches.cancel(b.id).status == "cancelling"
+    done = wait_status(client, b.id, {"cancelled"})
+    out, errs = results(client, done.output_file_id), results(client, done.error_file_id)
+    assert len(out) == done.request_counts.completed < len(lines)
+    assert set(out) | set(errs) == {x["custom_id"] for x in lines} and not set(out) & set(errs)
+    assert all(e["error"]["code"] == "batch_cancelled" for e in errs.values() if e["response"] is None)
+    with pytest.raises(openai.BadRequestError, match="only a running batch"):
+        client.batches.cancel(b.id)
+    wait_free(stack)
+
+
+def test_router_and_redis_restarts_mid_batch_answer_every_item_once(stack: Stack) -> None:
+    client = stack.openai()
+    lines = [dict(x, body=dict(x["body"], max_tokens=24)) for x in requests(PROMPTS * 2, "r")]
+    b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                              endpoint="/v1/completions", completion_window="24h")
+    end = time.monotonic() + 60
+    while client.batches.retrieve(b.id).request_counts.completed < 5:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    stack.kill_runner()           # the router dies mid-batch ...
+    before = client.batches.retrieve(b.id).request_counts.completed
+    assert before < len(lines)
+    stack.start_runner()          # ... and a new one picks up what has no result
+    while client.batches.retrieve(b.id).request_counts.completed < before + 5:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    stack.redis.restart()         # Redis restarts mid-batch (AOF on): the runner waits and goes on
+    done = wait_status(client, b.id, {"completed"})
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
+    out = results(client, done.output_file_id)
+    assert set(out) == {x["custom_id"] for x in lines}     # every item, each once (results() checks)
+    wait_free(stack)
+
+
+def test_without_a_store_the_batch_api_says_why(tiny_model) -> None:
+    """A server started without the cluster's Redis answers 404 with the reason."""
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=64, warm_up=False))
+    backend = LocalEngineBackend(engine, model_name="tiny")
+
+    async def go():
+        server = await start_http_server(Serving(backend, tokenizer=load_tokenizer(tiny_model)))
+        try:
+            client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.NotFoundError, match="needs the cluster's Redis"):
+                await client.batches.list()
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    backend.close()
+
+
+def test_the_operator_cli_submits_watches_and_fetches(stack: Stack, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "chat.jsonl"
+    lines = [{"custom_id": f"cli-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 4,
+                       "temperature": 0}} for i, p in enumerate(PROMPTS[:6])]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdserve", "batch", *argv, "--url", stack.server.base_url],
+                              capture_output=True, text=True, timeout=120)
+
+    sub = cli("submit", str(src))
+    assert sub.returncode == 0, sub.stderr
+    batch_id = sub.stdout.strip()
+    watch = cli("status", batch_id, "--watch")
+    assert watch.returncode == 0 and "6/6 (0 failed) completed" in watch.stdout, watch.stdout + watch.stderr
+    out = tmp_path / "out.jsonl"
+    assert cli("results", batch_id, "-o", str(out)).returncode == 0
+    got = {json.loads(x)["custom_id"] for x in out.read_text().splitlines()}
+    assert got == {x["custom_id"] for x in lines}
+    assert batch_id in cli("list").stdout
+    bad = cli("status", "batch_nope")
+    assert bad.returncode == 1 and "404" in bad.stderr and "no batch" in bad.stderr
