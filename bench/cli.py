@@ -19,6 +19,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("pdserve.bench.transfer", "KV block transfer bandwidth and latency"),
     "router": ("pdserve.bench.router", "router latency and serving load"),
     "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),
+    "batch": ("pdserve.bench.batch", "interactive TTFT with and without a concurrent batch; batch throughput"),
     "structured": ("pdserve.bench.structured", "grammar libraries compared, and a grammar's cost to its batch"),
 }
 

@@ -2,6 +2,8 @@
 
 Each :meth:`Scheduler.schedule` call builds one step's batch within ``max_num_batched_tokens``:
 
+0. batch work gives way: while an interactive sequence waits for a slot or blocks that running
+   batch sequences hold, the latest of those are preempted (and none is readmitted that step);
 1. running sequences that are decoding get one token each (a new block when their last one is
    full); when no block is left, the lowest-priority, latest-arrived running sequence not yet
    scheduled this step is preempted (blocks freed, back to the front of its priority class in the
@@ -31,6 +33,11 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+# Prompt tokens of batch-priority sequences one step may take (chunked prefill): a step that
+# admits a burst of batch prompts stays short, so an interactive request arriving meanwhile
+# waits for a short step, not a long one.
+BATCH_PREFILL_TOKENS_PER_STEP = 256
 
 
 @dataclass(slots=True)
@@ -140,8 +147,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        yielded = self._yield_to_interactive(out)
         was_running = bool(self._running)
         order = sorted(self._running.values(), key=_rank)
+        # While an interactive prompt waits or prefills, its steps carry no batch work at all:
+        # batch sequences keep their blocks and simply sit those steps out.
+        pause_batch = bool(self._waiting[Priority.INTERACTIVE]) or any(
+            s.priority is Priority.INTERACTIVE and s.in_prefill for s in order)
+        if pause_batch:
+            order = [s for s in order if s.priority is not Priority.BATCH]
+        batch_prefill = BATCH_PREFILL_TOKENS_PER_STEP
 
         # 1) decodes, one token each.
         for seq in order:
@@ -166,41 +181,83 @@ class Scheduler:
             if not seq.in_prefill or seq.request_id not in self._running:
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining > budget and not self.config.enable_chunked_prefill:
+            room = budget if seq.priority is not Priority.BATCH else min(budget, batch_prefill)
+            if remaining > room and not self.config.enable_chunked_prefill:
                 continue
-            budget -= self._emit(out, seq, min(remaining, budget), scheduled)
+            if room == 0:
+                continue
+            n = self._emit(out, seq, min(remaining, room), scheduled)
+            budget -= n
+            if seq.priority is Priority.BATCH:
+                batch_prefill -= n
 
         # 3) admission from the waiting queue.
         static = self.config.policy is SchedulingPolicy.STATIC
-        if not out.preempted and not (static and was_running):
-            budget = self._admit(out, budget, scheduled, ignore_budget=static)
+        if len(out.preempted) == yielded and not (static and was_running):
+            budget = self._admit(out, budget, scheduled, ignore_budget=static,
+                                 batch_too=not yielded and not pause_batch, batch_prefill=batch_prefill)
         out.num_prefill_tokens = max(0, prefill_from - budget)
         out.num_batched_tokens = out.num_decode_tokens + out.num_prefill_tokens
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[str], ignore_budget: bool) -> int:
-        bm = self.block_manager
-        for queue in self._waiting.values():
-            while queue and len(self._running) < self.config.max_num_seqs:
-                if budget == 0 and not ignore_budget:
-                    return budget
-                seq = queue[0]
-                if not bm.can_allocate(seq):
-                    return budget  # strict (priority, arrival) order: nobody jumps the head
-                remaining = seq.num_tokens - bm.cached_prefix_tokens(seq)
-                if remaining > budget and not self.config.enable_chunked_prefill and not ignore_budget:
-                    return budget
-                queue.popleft()
-                bm.allocate(seq)
-                seq.status = SequenceStatus.RUNNING
-                self._running[seq.request_id] = seq
-                remaining = seq.num_tokens - seq.num_computed_tokens
-                n = min(remaining, budget)
-                if n < remaining and not self.config.enable_chunked_prefill:
-                    n = 0  # static baseline: prefilled whole in a later step
-                if n > 0:
-                    budget -= self._emit(out, seq, n, scheduled)
+    def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[str], ignore_budget: bool,
+               batch_too: bool = True, batch_prefill: int | None = None) -> int:
+        for priority, queue in self._waiting.items():
+            if priority is Priority.BATCH:
+                if not batch_too:
+                    break  # batch sequences just gave way, or an interactive prompt is prefilling
+                if batch_prefill is not None and not ignore_budget:
+                    # batch prompts take a bounded share of a step, so no step grows long for them
+                    share = min(budget, batch_prefill)
+                    left, _ = self._admit_queue(out, queue, share, scheduled, ignore_budget)
+                    return budget - (share - left)
+            budget, blocked = self._admit_queue(out, queue, budget, scheduled, ignore_budget)
+            if blocked:
+                break  # strict (priority, arrival) order: nobody jumps the head
         return budget
+
+    def _admit_queue(self, out: SchedulerOutput, queue, budget: int, scheduled: set[str],
+                     ignore_budget: bool) -> tuple[int, bool]:
+        """Admit from one priority's queue; (budget left, whether its head could not be admitted)."""
+        bm = self.block_manager
+        while queue and len(self._running) < self.config.max_num_seqs:
+            if budget == 0 and not ignore_budget:
+                return budget, True
+            seq = queue[0]
+            if not bm.can_allocate(seq):
+                return budget, True
+            remaining = seq.num_tokens - bm.cached_prefix_tokens(seq)
+            if remaining > budget and not self.config.enable_chunked_prefill and not ignore_budget:
+                return budget, True
+            queue.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._running[seq.request_id] = seq
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                n = 0  # static baseline: prefilled whole in a later step
+            if n > 0:
+                budget -= self._emit(out, seq, n, scheduled)
+        return budget, bool(queue)
+
+
+    def _yield_to_interactive(self, out: SchedulerOutput) -> int:
+        """Batch work gives way: while an interactive request waits for a sequence slot or for
+        blocks that running batch sequences hold, the latest batch sequences are preempted (by
+        recompute; they run again when there is room). Returns how many were."""
+        waiting = self._waiting[Priority.INTERACTIVE]
+        if not waiting:
+            return 0
+        # Not a prefill-only sequence: its blocks may be on their way to a decode worker.
+        victims = sorted((s for s in self._running.values() if s.priority is Priority.BATCH and not s.prefill_only),
+                         key=_rank, reverse=True)
+        need_slots = len(self._running) + len(waiting) - self.config.max_num_seqs
+        n = 0
+        while victims and (n < need_slots or not self.block_manager.can_allocate(waiting[0])):
+            self._preempt(victims.pop(0), out)
+            n += 1
+        return n
 
     def _make_room_for_decode(self, seq: Sequence, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Preempt until ``seq`` can take its next slot; False if ``seq`` itself had to go."""

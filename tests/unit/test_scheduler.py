@@ -156,22 +156,59 @@ def test_interactive_is_admitted_before_earlier_batch_work():
     assert_nothing_leaked(sched)
 
 
+def test_running_batch_work_gives_its_slot_to_a_waiting_interactive_request():
+    """The running set is full of batch sequences: an interactive arrival preempts the latest of
+    them and is admitted in that same step; the victim waits (not readmitted in that step) and
+    finishes once there is room, its outputs kept."""
+    sched = make_scheduler(max_num_seqs=2, num_blocks=64)
+    b1 = make_seq("b1", prompt_len=8, max_tokens=6, priority=BATCH)
+    b2 = make_seq("b2", prompt_len=8, max_tokens=6, priority=BATCH)
+    sched.add(b1)
+    sched.add(b2)
+    fake_step(sched)
+    fake_step(sched)
+    kept = list(b2.output_token_ids)
+    inter = make_seq("i", prompt_len=8, max_tokens=2)
+    sched.add(inter)
+    out, _ = fake_step(sched)
+    assert out.preempted == [b2]                                   # the later batch sequence
+    assert [c.seq.request_id for c in out.chunks] == ["i"]          # admitted at once, and alone:
+    assert b1.status is SequenceStatus.RUNNING                      # b1 sits the prefill step out
+    assert b2.status is SequenceStatus.WAITING and b2.output_token_ids == kept
+    run_until_done(sched)
+    assert len(b2.output_token_ids) == 6 and inter.finish_reason is FinishReason.LENGTH
+    assert_nothing_leaked(sched)
+    # interactive work never preempts interactive work for a slot
+    sched = make_scheduler(max_num_seqs=1)
+    first, second = make_seq("first", max_tokens=3), make_seq("second", max_tokens=1)
+    sched.add(first)
+    fake_step(sched)
+    sched.add(second)
+    out, _ = fake_step(sched)
+    assert out.preempted == [] and [c.seq for c in out.chunks] == [first]
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
+
+
 def test_preemption_prefers_a_running_batch_request_and_requeues_it_in_front():
     # 6 blocks of 4: three 8-token prompts hold 2 blocks each; the first decode needs a 3rd block.
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
     i1 = make_seq("i1", prompt_len=8, max_tokens=4)
     bt = make_seq("bt", prompt_len=8, max_tokens=4, priority=BATCH)
     i2 = make_seq("i2", prompt_len=8, max_tokens=4)
-    for s in (i1, bt, i2):
+    sched.add(bt)
+    fake_step(sched)                            # the batch request runs first ...
+    for s in (i1, i2):
         sched.add(s)
-    fake_step(sched)                            # all three prefilled; each has 9 tokens now
+    out, _ = fake_step(sched)                   # ... and sits out the interactive prefills
+    assert {c.seq.request_id for c in out.chunks} == {"i1", "i2"}   # all three hold 2 blocks now
     later = make_seq("later", prompt_len=4, max_tokens=1, priority=BATCH)
     sched.add(later)
     outputs_before = list(bt.output_token_ids)
     out, _ = fake_step(sched)
     assert out.preempted == [bt]                # batch victim, though i2 arrived later
     assert bt.status is SequenceStatus.WAITING and bt.block_table == [] and bt.num_preemptions == 1
-    assert bt.output_token_ids == outputs_before          # keeps its output tokens
+    assert bt.output_token_ids == outputs_before and len(outputs_before) == 1   # keeps its output tokens
     assert sched.waiting() == [bt, later]                 # front of its class
     assert {c.seq.request_id for c in out.chunks} == {"i1", "i2"}   # no readmission in the same step
     while bt.status is SequenceStatus.WAITING:
@@ -183,21 +220,24 @@ def test_preemption_prefers_a_running_batch_request_and_requeues_it_in_front():
     assert_nothing_leaked(sched)
 
 
-def test_nothing_is_admitted_in_a_step_that_preempted():
+def test_an_interactive_arrival_short_of_blocks_takes_them_from_batch_work():
+    """Blocks, not slots: the batch request holds what an interactive arrival needs. The
+    interactive request is admitted in the step that preempts the batch one (preempting for it is
+    the point), and the victim is not readmitted in that step."""
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
-    a = make_seq("a", prompt_len=8, max_tokens=4)                   # 2 blocks
     b = make_seq("b", prompt_len=12, max_tokens=4, priority=BATCH)  # 3 blocks
-    sched.add(a)
+    a = make_seq("a", prompt_len=8, max_tokens=4)                   # 2 blocks
     sched.add(b)
-    fake_step(sched)                            # 5 of 6 blocks used; a: 9 tokens, b: 13 tokens
-    c = make_seq("c", prompt_len=3, max_tokens=1)
+    fake_step(sched)
+    sched.add(a)
+    fake_step(sched)                            # 5 of 6 blocks used
+    c = make_seq("c", prompt_len=8, max_tokens=1)                   # needs 2: only 1 is free
     sched.add(c)
-    out, _ = fake_step(sched)                   # a takes the last block, b must go
-    assert out.preempted == [b] and [ch.seq for ch in out.chunks] == [a]
-    assert sched.block_manager.can_allocate(c) and c.status is SequenceStatus.WAITING
     out, _ = fake_step(sched)
-    assert [ch.seq for ch in out.chunks] == [a, c]   # interactive c before the batch victim
+    assert out.preempted == [b] and {ch.seq.request_id for ch in out.chunks} == {"a", "c"}
+    assert b.status is SequenceStatus.WAITING
     run_until_done(sched)
+    assert len(b.output_token_ids) == 4
     assert_nothing_leaked(sched)
 
 

@@ -1,0 +1,172 @@
+"""The Batch API's cost to interactive traffic, and its throughput on idle capacity.
+
+One engine (the ``small`` model by default) behind the router's request path (``Serving``), the
+Batch API's runner and store (an embedded Redis on 127.0.0.1). Rounds alternate, interactive
+load alone and the same load while a batch runs:
+
+* interactive load: ``--requests`` completions (128 random prompt tokens, 32 out), one every
+  ``--interval`` seconds; TTFT is measured from the request's admission to its first token;
+* batch: ``--batch-items`` completions (64 in, 64 out) submitted as one batch before the load
+  starts and cancelled after it; their items run at batch priority on what the interactive load
+  leaves.
+
+Then one batch alone on the idle engine: its output tokens per second. Prints the host, TTFT
+p50/p99 with and without the batch (all rounds pooled) and ``interactive_ttft_p99_ratio`` (aim
+<= 1.1), and the batch throughput. ``pdserve bench batch [--json FILE]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pdserve.cluster.batch_store import RedisBatchStore
+        from pdserve.cluster.redis_server import EmbeddedRedis, connect
+        from pdserve.engine.config import EngineConfig
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.testmodel import ensure_model
+        from pdserve.engine.tokenizer import load_tokenizer
+        from pdserve.router.admission import Admission, AdmissionConfig
+        from pdserve.router.local_backend import LocalEngineBackend
+        from pdserve.router.serving import Serving
+
+        self.args = args
+        self.redis = EmbeddedRedis().start()
+        self.client = connect(self.redis.url)
+        self.store = RedisBatchStore(self.client, namespace="bench")
+        model = ensure_model(args.model, "llama")
+        self.engine = LLMEngine(EngineConfig(str(model), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                             kv_cache_memory_gb=1.0))
+        self.backend = LocalEngineBackend(self.engine, model_name=args.model)
+        self.serving = Serving(self.backend, tokenizer=load_tokenizer(model),
+                               admission=Admission(AdmissionConfig(max_in_flight=args.max_num_seqs, max_queued=256)))
+        self.rng = random.Random(0)
+        self.vocab = self.engine.spec.vocab_size
+
+    def close(self) -> None:
+        self.backend.close()
+        self.client.close()
+        self.redis.stop()
+
+    def _prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, self.vocab) for _ in range(n)]
+
+    async def _interactive(self) -> list[float]:
+        from pdserve.router.backend import Finished
+        from pdserve.router.validation import parse_completion_body
+
+        async def one(i: int) -> float:
+            await asyncio.sleep(i * self.args.interval)
+            body = {"prompt": self._prompt(128), "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+            t0 = time.monotonic()
+            prepared = await self.serving.prepare(parse_completion_body(body), f"i{i}", default_max_tokens=16)
+            ttft = None
+            async with self.serving.stream(prepared, api="bench") as events:
+                async for ev in events:
+                    if ttft is None and not isinstance(ev, Finished):
+                        ttft = time.monotonic() - t0
+            return ttft
+
+        return list(await asyncio.gather(*(one(i) for i in range(self.args.requests))))
+
+    def _submit(self, n: int) -> str:
+        from pdserve.router.batch_api import new_batch
+
+        lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": self._prompt(64), "max_tokens": 64, "temperature": 0,
+                                      "ignore_eos": True}}) for i in range(n)]
+        batch = new_batch("file-bench", "/v1/completions", "24h", None, n)
+        self.store.put_batch(batch, lines)
+        return batch["id"]
+
+    async def _wait(self, batch_id: str, statuses: tuple[str, ...]) -> dict:
+        while True:
+            b = await asyncio.to_thread(self.store.batch, batch_id)
+            if b["status"] in statuses:
+                return b
+            await asyncio.sleep(0.1)
+
+    async def run(self) -> dict:
+        from pdserve.router.batch_api import BatchRunner
+
+        runner = BatchRunner(self.serving, self.store, poll_s=0.05)
+        task = asyncio.get_running_loop().create_task(runner.run())
+        alone: list[float] = []
+        beside: list[float] = []
+        try:
+            await self._interactive()   # warm-up, not counted
+            for r in range(self.args.rounds):
+                alone += await self._interactive()
+                bid = self._submit(self.args.batch_items)
+                while runner.running < runner.max_concurrent:
+                    await asyncio.sleep(0.05)
+                beside += await self._interactive()
+                await asyncio.to_thread(self.store.update_batch, bid, {"status": "cancelling"})
+                await self._wait(bid, ("cancelled",))
+                print(f"  round {r + 1}: ttft p99 alone {_pct(alone, 0.99):.3f} s, beside a batch "
+                      f"{_pct(beside, 0.99):.3f} s", flush=True)
+            bid = self._submit(self.args.idle_items)
+            t0 = time.monotonic()
+            done = await self._wait(bid, ("completed",))
+            idle_s = time.monotonic() - t0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await runner.close()
+        out = {"ttft_alone_p50_s": statistics.median(alone), "ttft_alone_p99_s": _pct(alone, 0.99),
+               "ttft_beside_batch_p50_s": statistics.median(beside), "ttft_beside_batch_p99_s": _pct(beside, 0.99),
+               "interactive_ttft_p99_ratio": _pct(beside, 0.99) / _pct(alone, 0.99),
+               "interactive_ttft_p50_ratio": statistics.median(beside) / statistics.median(alone),
+               "batch_idle_output_tok_s": done["request_counts"]["completed"] * 64 / idle_s,
+               "batch_idle_items": self.args.idle_items, "batch_idle_s": idle_s}
+        return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="small", help="generated model preset")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--requests", type=int, default=20, help="interactive requests per round")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between interactive arrivals")
+    p.add_argument("--batch-items", type=int, default=300)
+    p.add_argument("--idle-items", type=int, default=64, help="the batch run alone at the end")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", help="write the figures here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.hw import cpu_model
+
+    print(f"host: {cpu_model()}")
+    bench = Bench(args)
+    print(f"engine: {args.model} ({bench.engine.config.dtype}), max_num_seqs {args.max_num_seqs}; "
+          f"{args.requests} interactive requests per round, every {args.interval} s; batch {args.batch_items} items")
+    try:
+        out = asyncio.run(bench.run())
+    finally:
+        bench.close()
+    out["host"] = cpu_model()
+    print(f"interactive TTFT p50/p99: alone {out['ttft_alone_p50_s']:.3f}/{out['ttft_alone_p99_s']:.3f} s, "
+          f"beside a batch {out['ttft_beside_batch_p50_s']:.3f}/{out['ttft_beside_batch_p99_s']:.3f} s; "
+          f"interactive_ttft_p99_ratio {out['interactive_ttft_p99_ratio']:.2f} (aim <= 1.1), "
+          f"p50 ratio {out['interactive_ttft_p50_ratio']:.2f}")
+    print(f"batch on idle capacity: {out['batch_idle_output_tok_s']:.0f} output tok/s "
+          f"({out['batch_idle_items']} items in {out['batch_idle_s']:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
