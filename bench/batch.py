@@ -140,11 +140,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="generated model preset")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--requests", type=int, default=20, help="interactive requests per round")
+    p.add_argument("--requests", type=int, default=30, help="interactive requests per round")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between interactive arrivals")
     p.add_argument("--batch-items", type=int, default=300)
     p.add_argument("--idle-items", type=int, default=64, help="the batch run alone at the end")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the figures here")
 
 

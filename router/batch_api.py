@@ -222,12 +222,15 @@ class BatchRunner:
 
     def _spare(self) -> int:
         """Items that may start now: room under the runner's own limit and admission's, with no
-        interactive request waiting for a slot."""
+        interactive request waiting for a slot; while interactive requests run, the runner keeps
+        a quarter of its limit (fewer batch sequences make their steps shorter)."""
         adm = self.serving.admission
         if adm.queued:
             return 0
         room = adm.config.max_in_flight - adm.in_flight - 1   # one slot always left to interactive work
-        return max(0, min(self.max_concurrent - len(self._running), room))
+        interactive = adm.in_flight - len(self._running)
+        limit = self.max_concurrent if interactive <= 0 else max(1, self.max_concurrent // 4)
+        return max(0, min(limit - len(self._running), room))
 
     async def _io(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
