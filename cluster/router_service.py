@@ -163,6 +163,8 @@ class RouterService:
             self.batch_store = RedisBatchStore(self.redis_client, namespace=self.redis_namespace)
             self.batch_runner = BatchRunner(self.serving, self.batch_store)
             self.serving.metrics.add_gauge("batch_items_running", lambda: self.batch_runner.running)
+            self.serving.metrics.add_gauge("batch_items_pending", lambda: sum(
+                b["total"] - b["completed"] - b["failed"] for b in self.batch_runner.snapshot))
         http = await start_http_server(
             self.serving, host=r.host, port=r.http_port, auth=auth, max_body_bytes=r.max_request_bytes,
             body_timeout_s=r.body_timeout_s, batches=self.batch_store,
