@@ -396,6 +396,9 @@ class PlannerSettings(_Settings):
     scale_down_stable_s: float = Field(30.0, ge=0, description="Seconds utilisation must stay below "
                                        "scale_down_utilization, on every decision, before a pool "
                                        "scales down (a lull between waves of requests is not enough).")
+    batch_budget_replicas: int = Field(0, ge=0, description="Replicas the decode pool may run beyond what "
+                                       "its interactive load needs, for batch-priority work (the Batch "
+                                       "API); 0: batch work waits for spare capacity and never scales a pool.")
 
     @model_validator(mode="after")
     def _band(self) -> PlannerSettings:
@@ -464,7 +467,8 @@ class ClusterConfig(_Settings):
             ttft_slo_ms=self.slo.ttft_ms, itl_slo_ms=self.slo.itl_ms,
             scale_up_utilization=p.scale_up_utilization, scale_down_utilization=p.scale_down_utilization,
             scale_up_cooldown_s=p.scale_up_cooldown_s, scale_down_cooldown_s=p.scale_down_cooldown_s,
-            warmup_s=p.warmup_s, max_step=p.max_step, scale_down_stable_s=p.scale_down_stable_s)
+            warmup_s=p.warmup_s, max_step=p.max_step, scale_down_stable_s=p.scale_down_stable_s,
+            batch_budget_replicas=p.batch_budget_replicas)
 
     def check_paths(self) -> None:
         """Raise ``ConfigError`` unless the files this config names exist on this machine."""

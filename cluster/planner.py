@@ -65,6 +65,9 @@ class WorkerMetrics:
     prefill_tokens_per_s: float | None = None
     itl_ms: float | None = None
     draining: bool = False
+    # Of running_seqs + waiting_seqs and kv_usage, the part that is batch-priority work.
+    batch_seqs: int = 0
+    batch_kv_usage: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", as_role(self.role))
@@ -125,6 +128,7 @@ class PlannerPolicy:
     warmup_s: float = 30.0
     max_step: int = 2
     scale_down_stable_s: float = 30.0
+    batch_budget_replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
@@ -193,12 +197,14 @@ def _prefill_signal(warm: Sequence[WorkerMetrics], policy: PlannerPolicy) -> _Si
 
 
 def _decode_signal(
-    warm: Sequence[WorkerMetrics], policy: PlannerPolicy, max_num_seqs: int
+    warm: Sequence[WorkerMetrics], policy: PlannerPolicy, max_num_seqs: int, interactive_only: bool = False
 ) -> _Signal | None:
+    """``interactive_only``: the load without the workers' batch-priority sequences and their KV."""
     if not warm:
         return None
-    kv = _mean([w.kv_usage for w in warm]) or 0.0
-    seqs = _mean([(w.running_seqs + w.waiting_seqs) / max_num_seqs for w in warm]) or 0.0
+    kv = _mean([max(0.0, w.kv_usage - (w.batch_kv_usage if interactive_only else 0.0)) for w in warm]) or 0.0
+    seqs = _mean([max(0, w.running_seqs + w.waiting_seqs - (w.batch_seqs if interactive_only else 0))
+                  / max_num_seqs for w in warm]) or 0.0
     candidates = [
         _Signal(kv, f"KV usage {kv:.0%}"),
         _Signal(seqs, f"sequences {seqs:.0%} of max_num_seqs"),
@@ -267,6 +273,14 @@ def decide_pool(
     if signal is None or capacity == 0:
         return decision(ScaleAction.HOLD, capacity, "no signal: no warm worker reports load yet")
     load = signal.ratio * len(warm)  # in units of "one replica at target"
+    if pool.role is WorkerRole.DECODE and any(w.batch_seqs for w in warm):
+        # Batch work may wait: it adds at most batch_budget_replicas to what the interactive load needs.
+        interactive = _decode_signal(warm, policy, pool.max_num_seqs, interactive_only=True)
+        capped = interactive.ratio * len(warm) + policy.batch_budget_replicas * policy.scale_up_utilization
+        if capped < load:
+            load = capped
+            signal = _Signal(load / len(warm), f"{interactive.detail} without batch work "
+                                               f"(+{policy.batch_budget_replicas} replicas for it)")
     util = load / capacity
 
     def hold(why: str) -> PlannerDecision:

@@ -236,7 +236,9 @@ class PoolManager:
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
                     kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
                     itl_ms=_itl_ms(stats) if role == "decode" and stats else None,
-                    draining=wid in record.draining))
+                    draining=wid in record.draining,
+                    batch_seqs=stats.num_batch_seqs if stats else 0,
+                    batch_kv_usage=min(1.0, max(0.0, stats.batch_kv_usage)) if stats else 0.0))
         return out
 
     def _prefill_rate(self, wid: str, now: float, stats: WorkerStats) -> float | None:

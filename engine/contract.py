@@ -67,6 +67,9 @@ class WorkerStats:
     reservations: int = 0
     itl_ms: float | None = None
     expired_reservations: int = 0
+    # of num_running + num_waiting and kv_usage, the batch-priority part (the planner lets it wait)
+    num_batch_seqs: int = 0
+    batch_kv_usage: float = 0.0
     # where it runs (filled by the Ray actor classes)
     node_id: str = ""
     node_ip: str = ""

@@ -56,6 +56,9 @@ class EngineStats:
     # decode (None: no target), and the most any step took beside decodes (what the cap held to).
     prefill_budget_tokens: int | None = None
     max_prefill_tokens_with_decodes: int = 0
+    # batch-priority sequences (running or waiting) and the share of the KV blocks they hold
+    num_batch_seqs: int = 0
+    batch_kv_usage: float = 0.0
 
 
 class ItlBudget:
@@ -391,7 +394,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- helpers
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        batch_seqs, batch_blocks = self.scheduler.batch_load()
         return EngineStats(
+            num_batch_seqs=batch_seqs,
+            batch_kv_usage=min(bm.usage, batch_blocks / max(1, bm.num_blocks)),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_held=len(self._held),

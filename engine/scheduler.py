@@ -101,6 +101,13 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         return list(self._running.values())
 
+    def batch_load(self) -> tuple[int, int]:
+        """(batch-priority sequences running or waiting, KV blocks they hold). Safe to call from
+        another thread (the stats publisher): it works on copies taken in one step each."""
+        seqs = [s for s in list(self._running.values()) if s.priority is Priority.BATCH]
+        waiting = list(self._waiting[Priority.BATCH])
+        return len(seqs) + len(waiting), sum(len(s.block_table) for s in seqs)
+
     def waiting(self) -> list[Sequence]:
         """Waiting sequences in the order they would be admitted."""
         return [s for q in self._waiting.values() for s in q]

@@ -85,6 +85,7 @@ class WorkerBase:
             prompt_tokens_computed=s.prompt_tokens_computed, prefill_compute_s=s.prefill_compute_s,
             prefill_budget_tokens=s.prefill_budget_tokens,
             max_prefill_tokens_with_decodes=s.max_prefill_tokens_with_decodes,
+            num_batch_seqs=s.num_batch_seqs, batch_kv_usage=s.batch_kv_usage,
             kv_open_transfers=self.agent.open_handles, kv_mailboxes=self.agent.subscriptions,
             started_at=self.started_at, niceness=os.getpriority(os.PRIO_PROCESS, 0), pid=os.getpid(),
             transfer_timeout_s=getattr(self, "transfer_timeout_s", None),

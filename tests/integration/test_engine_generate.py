@@ -224,3 +224,20 @@ def test_cluster_workers_warm_up_by_default(tiny_model) -> None:
     assert config.worker_engine_config("decode").warm_up and config.worker_engine_config("prefill").warm_up
     off = apply_overrides(config, {"decode.engine.warm_up": False})
     assert not off.worker_engine_config("decode").warm_up
+
+
+def test_stats_tell_batch_work_apart(tiny_model, prompts) -> None:
+    """What the planner reads to let batch work wait: batch sequences and the KV they hold."""
+    from pdserve.engine.sequence import Priority
+
+    engine = make_engine(tiny_model)
+    engine.add_request("inter", prompts[0], SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("batch", prompts[1], SamplingParams(max_tokens=4, temperature=0), priority=Priority.BATCH)
+    assert engine.stats().num_batch_seqs == 1 and engine.stats().batch_kv_usage == 0.0   # waiting: no blocks
+    while engine.has_unfinished() and engine.stats().batch_kv_usage == 0.0:
+        engine.step()
+    s = engine.stats()
+    assert s.num_batch_seqs == 1 and 0.0 < s.batch_kv_usage < s.kv_usage
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().num_batch_seqs == 0 and engine.stats().batch_kv_usage == 0.0

@@ -313,3 +313,24 @@ def test_an_unset_max_replicas_is_what_ray_has_room_for() -> None:
     assert decide_pool(NOW, pool, workers, POLICY).action is ScaleAction.SCALE_UP
     full = make_pool(WorkerRole.DECODE, 1, hi=auto_max_replicas(1, 1, 1, room=0))
     assert decide_pool(NOW, full, workers, POLICY).action is ScaleAction.HOLD
+
+
+def test_batch_work_scales_the_decode_pool_only_within_its_budget() -> None:
+    """Decode workers full of batch sequences (56 of 64 each; 8 interactive, one replica's worth
+    at most): with no budget the planner sees only the interactive load, so it never scales up
+    for the batch (here it may even scale down); with a budget of 1 it holds at 1 + 1 replicas,
+    where all of it interactive would scale to 3; a budget larger than the batch needs gives what
+    the whole load needs, no more."""
+    now = 1000.0
+    busy = [WorkerMetrics(f"d{i}", WorkerRole.DECODE, warm=True, started_at=0.0, running_seqs=60, waiting_seqs=4,
+                          kv_usage=0.9, batch_seqs=56, batch_kv_usage=0.8) for i in range(2)]
+    pool = PoolState(WorkerRole.DECODE, replicas=2, min_replicas=1, max_replicas=8, max_num_seqs=64)
+    none = decide_pool(now, pool, busy, PlannerPolicy(batch_budget_replicas=0))
+    assert none.action is not ScaleAction.SCALE_UP and "without batch work" in none.reason
+    one = decide_pool(now, pool, busy, PlannerPolicy(batch_budget_replicas=1))
+    assert one.action is ScaleAction.HOLD and one.target_replicas == 2
+    assert decide_pool(now, pool, busy, PlannerPolicy(batch_budget_replicas=6)).target_replicas == 3
+    # the same load, all of it interactive, scales as it always did
+    inter = [WorkerMetrics(f"d{i}", WorkerRole.DECODE, warm=True, started_at=0.0, running_seqs=60, waiting_seqs=4,
+                           kv_usage=0.9) for i in range(2)]
+    assert decide_pool(now, pool, inter, PlannerPolicy()).target_replicas == 3
