@@ -151,7 +151,9 @@ def _status(server) -> dict:
 
 def _expired(status: dict) -> int:
     """Decode workers' expired reservations (a prefill thrown away), summed, from ``status``."""
-    return sum(int(w.get("expired_reservations") or 0) for w in status.get("workers", []))
+    from pdserve.engine.contract import ClusterStatus
+
+    return sum(w.expired_reservations for w in ClusterStatus.from_dict(status).workers)
 
 
 def _interference_groups(seed: int, with_long: bool) -> list[GroupSpec]:

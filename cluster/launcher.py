@@ -35,6 +35,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.pids import pid_alive
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
 from pdserve.cluster.redact import split_password
+from pdserve.engine.contract import ClusterStatus
 
 if TYPE_CHECKING:
     import redis
@@ -402,34 +403,33 @@ def _cores(cores: list[int] | None) -> str:
 
 def format_status(status: dict) -> str:
     st = status.get("state", {})
+    cs = ClusterStatus.from_dict(status)
     lines = [f"pdserve  model {st.get('model')}  HTTP {st.get('http')}  gRPC {st.get('grpc')}",
-             f"uptime {status.get('uptime_s', 0):.0f} s  retries {status.get('retries', 0)}  "
-             f"migrations {status.get('migrations', 0)}"]
+             f"uptime {cs.uptime_s:.0f} s  retries {cs.retries}  migrations {cs.migrations}"]
     if status.get("redis_unreachable"):
         lines.append(f"Redis unreachable ({status['redis_unreachable']}): no live status; requests are "
                      f"still served (see docs/operations.md, 'During a Redis outage')")
-    elif status.get("redis"):
-        r = status["redis"]
+    elif cs.redis:
+        r = cs.redis
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.get("dropped", {}).items())) or "none"
         lines.append(f"redis {'up' if r.get('up') else 'DOWN'}  outages {r.get('outages', 0)}  "
                      f"writes dropped: {dropped}")
-    for role, p in status.get("pools", {}).items():
-        lines.append(f"pool {role:8s} replicas {p['replicas']}  pending {p['pending']}  draining {len(p['draining'])}")
+    for role, p in cs.pools.items():
+        lines.append(f"pool {role:8s} replicas {p.replicas}  pending {p.pending}  draining {len(p.draining)}")
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} "
                  f"{'hit':>6s} {'thr':>3s} {'cores':9s} {'dtype':8s} node")
-    for w in status.get("workers", []):
-        state = ("dead" if not w["alive"] else "silent" if not w.get("responsive", True)
-                 else "draining" if w["draining"] else "up")
-        lines.append(f"{w['worker_id']:24s} {w['role']:8s} {state:9s} {w['kv_usage'] * 100:5.1f}% {w['running']:4d} "
-                     f"{w['waiting']:4d} {w.get('tokens_per_s', 0.0):7.1f} {w['prefix_hit_rate'] * 100:5.1f}% "
-                     f"{w.get('num_threads', '?')!s:>3s} {_cores(w.get('cores')):9s} {w.get('dtype', '?'):8s} "
-                     f"{w.get('node_ip', '')} {w.get('node_id', '')[:8]}")
-        if w.get("kernels"):
-            lines.append(f"{'':24s} matmuls {' '.join(f'{op}={b}' for op, b in w['kernels'].items())}  "
-                         f"attention {w.get('attention_backend', '?')}")
-    for d in status.get("planner", []):
+    for w in cs.workers:
+        state = "dead" if not w.alive else "silent" if not w.responsive else "draining" if w.draining else "up"
+        threads = "?" if w.num_threads is None else str(w.num_threads)
+        lines.append(f"{w.worker_id:24s} {w.role:8s} {state:9s} {w.kv_usage * 100:5.1f}% {w.running:4d} "
+                     f"{w.waiting:4d} {w.tokens_per_s:7.1f} {w.prefix_hit_rate * 100:5.1f}% "
+                     f"{threads:>3s} {_cores(w.cores):9s} {w.dtype or '?':8s} {w.node_ip} {w.node_id[:8]}")
+        if w.kernels:
+            lines.append(f"{'':24s} matmuls {' '.join(f'{op}={b}' for op, b in w.kernels.items())}  "
+                         f"attention {w.attention_backend or '?'}")
+    for d in cs.planner:
         lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
-    for b in status.get("batches", []):
+    for b in cs.batches:
         lines.append(f"batch {b['id']} {b['status']}: {b['completed'] + b['failed']}/{b['total']} done "
                      f"({b['failed']} failed), {b['running']} running  {b['endpoint']}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.contract import RequestRecord, WorkerRole, WorkerStats
+from pdserve.engine.contract import ClusterStatus, PoolStatus, RequestRecord, WorkerRole, WorkerStats, WorkerStatus
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ledger import KVLedger, Side
 from pdserve.cluster.ledger_writer import LedgerWriter
@@ -306,34 +306,33 @@ class RouterService:
         return max(0.0, (count - prev[1]) / (now - prev[0]))
 
     def status(self) -> dict:
+        """``pdserve status``'s document (``ClusterStatus.to_dict``), written to Redis by the head."""
         workers = []
         for wid, m in self.pool.members.items():
             v = m.view
             s = v.stats
-            reported = {} if s is None else {
-                "node_ip": s.node_ip, "node_id": s.node_id, "num_threads": s.num_threads, "cores": s.cores,
-                "pinning": s.pinning, "dtype": s.dtype, "kernels": s.kernels, "linear_backend": s.linear_backend,
-                "attention_backend": s.attention_backend, "prefix_hit_rate": s.prefix_hit_rate,
-                "generated_tokens": s.generated_tokens,
-                **({"itl_ms": s.itl_ms, "expired_reservations": s.expired_reservations}
-                   if s.role is WorkerRole.DECODE else {})}
-            workers.append({"worker_id": wid, "role": m.role, "alive": v.alive, "draining": v.draining,
-                            "responsive": v.unresponsive_since is None, "node_ip": "", "node_id": "",
-                            "prefix_hit_rate": 0.0, "generated_tokens": 0, **reported,
-                            "kv_usage": 1.0 - v.num_free_blocks / max(1, v.num_blocks),
-                            "running": v.num_running, "waiting": v.num_waiting,
-                            "tokens_per_s": self._tokens_per_s(wid, s),
-                            "inflight_requests": v.inflight_requests})
-        return {
-            "endpoints": {"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},
-            "pools": {role: {"replicas": len(rec.handles), "pending": rec.pending, "draining": sorted(rec.draining)}
-                      for role, rec in self.manager.pools.items()},
-            "workers": workers,
-            "planner": [{"pool": str(d.role), "action": d.action.value, "target": d.target_replicas,
-                         "reason": d.reason} for d in self.manager.decisions],
-            "migrations": self.backend.migrations if self.backend else 0,
-            "retries": self.backend.retries if self.backend else 0,
-            "uptime_s": time.time() - self.started_at,
-            "redis": dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
-            "batches": self.batch_runner.snapshot if self.batch_runner is not None else [],
-        }
+            decode = s is not None and s.role is WorkerRole.DECODE
+            workers.append(WorkerStatus(
+                worker_id=wid, role=str(m.role), alive=v.alive, draining=v.draining,
+                responsive=v.unresponsive_since is None, kv_usage=1.0 - v.num_free_blocks / max(1, v.num_blocks),
+                running=v.num_running, waiting=v.num_waiting, tokens_per_s=self._tokens_per_s(wid, s),
+                inflight_requests=v.inflight_requests,
+                **({} if s is None else dict(
+                    prefix_hit_rate=s.prefix_hit_rate, generated_tokens=s.generated_tokens, node_ip=s.node_ip,
+                    node_id=s.node_id, num_threads=s.num_threads, cores=s.cores, pinning=s.pinning, dtype=s.dtype,
+                    kernels=s.kernels, linear_backend=s.linear_backend, attention_backend=s.attention_backend,
+                    itl_ms=s.itl_ms if decode else None,
+                    expired_reservations=s.expired_reservations if decode else 0))))
+        return ClusterStatus(
+            endpoints={"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},
+            pools={role: PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining))
+                   for role, rec in self.manager.pools.items()},
+            workers=workers,
+            planner=[{"pool": str(d.role), "action": d.action.value, "target": d.target_replicas,
+                      "reason": d.reason} for d in self.manager.decisions],
+            migrations=self.backend.migrations if self.backend else 0,
+            retries=self.backend.retries if self.backend else 0,
+            uptime_s=time.time() - self.started_at,
+            redis=dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
+            batches=self.batch_runner.snapshot if self.batch_runner is not None else [],
+        ).to_dict()

@@ -249,3 +249,72 @@ class StepOutput:
     error_code: str | None = None
     # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
     num_computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One worker as ``pdserve status`` shows it: the head writes it (``RouterService.status``)
+    into Redis and the CLI reads it back (``ClusterStatus.from_dict``); ``--json`` prints it."""
+
+    worker_id: str
+    role: str
+    alive: bool
+    draining: bool
+    responsive: bool
+    kv_usage: float
+    running: int
+    waiting: int
+    tokens_per_s: float
+    inflight_requests: int
+    prefix_hit_rate: float = 0.0
+    generated_tokens: int = 0
+    node_ip: str = ""
+    node_id: str = ""
+    num_threads: int | None = None
+    cores: list[int] | None = None
+    pinning: str = ""
+    dtype: str = ""
+    kernels: dict[str, str] = field(default_factory=dict)
+    linear_backend: str = ""
+    attention_backend: str = ""
+    itl_ms: float | None = None            # decode workers
+    expired_reservations: int = 0          # decode workers
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    replicas: int
+    pending: int
+    draining: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """What ``pdserve status`` shows: pools, workers, the planner's last decisions, the Redis
+    guard's view and the running batches. ``to_dict`` is the stored and ``--json`` document."""
+
+    endpoints: dict[str, str] = field(default_factory=dict)
+    pools: dict[str, PoolStatus] = field(default_factory=dict)
+    workers: list[WorkerStatus] = field(default_factory=list)
+    planner: list[dict[str, object]] = field(default_factory=list)
+    migrations: int = 0
+    retries: int = 0
+    uptime_s: float = 0.0
+    redis: dict[str, object] | None = None
+    batches: list[dict[str, object]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> ClusterStatus:
+        """A stored document read back; fields a newer head added are ignored, missing ones default."""
+        worker_fields = set(WorkerStatus.__slots__)
+        return cls(
+            endpoints=dict(d.get("endpoints") or {}),
+            pools={role: PoolStatus(**{k: v for k, v in p.items() if k in PoolStatus.__slots__})
+                   for role, p in (d.get("pools") or {}).items()},
+            workers=[WorkerStatus(**{k: v for k, v in w.items() if k in worker_fields}) for w in d.get("workers") or []],
+            planner=list(d.get("planner") or []), migrations=int(d.get("migrations") or 0),
+            retries=int(d.get("retries") or 0), uptime_s=float(d.get("uptime_s") or 0.0), redis=d.get("redis"),
+            batches=list(d.get("batches") or []))
