@@ -226,7 +226,11 @@ class RequestStream:
         self._finished: Finished | None = None  # the backend's, or the one the client got
         self._error: PdserveError | None = None
         self._gaps: list[float] = []
-        self._late_step: asyncio.Future | None = None  # the backend's next item, when the deadline or the client left first
+        # One task reads the backend into a queue, so that neither a passed deadline nor a client
+        # that leaves cancels the backend midway: the request is aborted and the backend ends it,
+        # with its phase record for the log (``_close_backend``).
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._pump_task: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncIterator[Chunk | Finished]:
         if self._deadline is not None and self._deadline <= time.monotonic():
@@ -252,6 +256,7 @@ class RequestStream:
         r = self._req
         self._gen = self._s.backend.generate(
             GenerateRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, self._deadline, r.client_id))
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name=f"backend-{r.request_id}")
         self._events_gen = self._events()
         return self._events_gen
 
@@ -286,6 +291,9 @@ class RequestStream:
                     finish_reason=finished.finish_reason), finished.error)
         if self._events_gen is not None:
             await self._events_gen.aclose()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            await asyncio.gather(self._pump_task, return_exceptions=True)
         if self._gen is not None:
             await self._gen.aclose()
 
@@ -303,31 +311,40 @@ class RequestStream:
         """The deadline on the event loop's clock."""
         return asyncio.get_running_loop().time() + (self._deadline - time.monotonic())
 
-    async def _next(self) -> TokenDelta | Finished:
-        # The backend's next item runs as a task of its own, so that neither a passed deadline nor
-        # a client that leaves cancels the backend midway: the request is aborted and the backend
-        # ends it, with its phase record for the log (``_close_backend``).
-        step = asyncio.ensure_future(anext(self._gen))
-        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+    async def _pump(self) -> None:
+        """The backend's items into ``_items``; then ``StopAsyncIteration``, or what it raised."""
         try:
-            done, _ = await asyncio.wait({step}, timeout=timeout)
+            async for item in self._gen:
+                self._items.put_nowait(item)
+            self._items.put_nowait(StopAsyncIteration())
         except asyncio.CancelledError:
-            self._late_step = step
             raise
-        if done:
-            return step.result()
-        self._late_step = step
-        raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
-                                    "ask for fewer tokens (max_tokens) or allow a longer deadline")
+        except Exception as exc:
+            self._items.put_nowait(exc)
+
+    async def _take(self) -> TokenDelta | Finished:
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            self._items.put_nowait(item)   # the stream stays ended for any later read
+            raise item
+        return item
+
+    async def _next(self) -> TokenDelta | Finished:
+        if self._deadline is None:
+            return await self._take()
+        try:
+            async with asyncio.timeout_at(self._loop_deadline()):
+                return await self._take()
+        except TimeoutError:
+            raise DeadlineExceededError(f"the request did not finish within its deadline ({self._timeout_text()}); "
+                                        "ask for fewer tokens (max_tokens) or allow a longer deadline") from None
 
     async def _await_finished(self) -> Finished | None:
         """After an abort: the backend's Finished (for its phase record), or None if it is slow."""
         try:
             async with asyncio.timeout(FINISH_GRACE_S):
-                step, self._late_step = self._late_step, None
                 while True:
-                    item = await (step if step is not None else anext(self._gen))
-                    step = None
+                    item = await self._take()
                     if isinstance(item, Finished):
                         return item
         except (TimeoutError, StopAsyncIteration):
