@@ -51,6 +51,15 @@ def chain_hashes(token_ids: SequenceABC[int], block_size: int, parent: int | Non
     return out
 
 
+def salt_root(salt: str | None) -> int | None:
+    """The parent hash a request's first block chains from: None without ``cache_salt``, else a
+    hash of the salt, so only requests with the same salt can hit each other's cached blocks."""
+    if salt is None:
+        return None
+    h = hashlib.blake2b(b"pdserve cache_salt\x00" + salt.encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` tokens; pure bookkeeping, no tensors.
 
@@ -128,7 +137,7 @@ class BlockManager:
         n = seq.num_tokens
         if self._memo is not None and self._memo[0] is seq and self._memo[1] == n:
             return self._memo[2]
-        hashes = chain_hashes(seq.token_ids, self.block_size)
+        hashes = chain_hashes(seq.token_ids, self.block_size, salt_root(seq.params.cache_salt))
         self._memo = (seq, n, hashes)
         return hashes
 
@@ -203,7 +212,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         if len(hashes) < full:
             bs = self.block_size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(seq.params.cache_salt)
             start = len(hashes)
             tokens = [seq.token_at(p) for p in range(start * bs, full * bs)]
             hashes.extend(chain_hashes(tokens, bs, parent))

@@ -30,8 +30,10 @@ class OutputText:
         *,
         skip_special_tokens: bool = True,
         include_stop_str: bool = False,
+        spaces_between_special_tokens: bool = False,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens,
+                                             spaces_between_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str
         self._longest = max((len(s) for s in self._stop), default=0)

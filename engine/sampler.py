@@ -51,7 +51,7 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
 
 
 def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
-    """Apply ``seq``'s penalties, ``allowed_token_ids``, ``logit_bias`` and ``min_tokens`` to its
+    """Apply ``seq``'s penalties, ``allowed_token_ids``, ``logit_bias``, ``bad_words`` and ``min_tokens`` to its
     logits row, in place."""
     p = seq.params
     vocab = row.numel()
@@ -74,6 +74,12 @@ def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64)
         row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)
+    if p.bad_words:
+        past = out.tolist()
+        banned = [w[-1] for w in p.bad_words
+                  if w[-1] < vocab and len(w) - 1 <= len(past) and (len(w) == 1 or past[len(past) - len(w) + 1:] == list(w[:-1]))]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
     if len(seq.output_token_ids) < p.min_tokens:
         ends = [t for t in (*(() if p.ignore_eos else seq.eos_token_ids), *p.stop_token_ids) if 0 <= t < vocab]
         if ends:

@@ -24,6 +24,9 @@ MAX_PENALTY = 2.0            # presence/frequency penalties, as OpenAI bounds th
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0       # OpenAI's range for each entry of logit_bias
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_BAD_WORDS = 64           # vLLM's bad_words: strings, each tokenized one or two ways
+MAX_BAD_WORD_TOKENS = 32
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,12 @@ class SamplingParams:
     ``allowed_token_ids`` (vLLM's): when set, only these tokens may be chosen.
     Text (vLLM's): ``skip_special_tokens`` leaves special tokens out of the text;
     ``include_stop_str_in_output`` keeps the stop string that ended the text in it.
+    ``bad_words`` (vLLM's, as token sequences the router tokenized): a sequence's last token is
+    banned whenever the output so far ends with the rest of it (a one-token word always).
+    ``spaces_between_special_tokens`` (vLLM's): added-vocabulary tokens in the text are set
+    apart from their neighbours by a space, as the slow tokenizers of transformers do.
+    ``cache_salt`` (vLLM's): only requests with the same salt share prefix-cached KV blocks
+    (the salt seeds the chain hash of the first block); not a sampling field, it travels with them.
     ``structured``: a grammar every sampled token must follow (``engine/structured.py``); the
     request ends with EOS once the grammar is complete.
     """
@@ -67,6 +76,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = False
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    cache_salt: str | None = None
     structured: StructuredOutput | None = None
     # Output tokens an earlier attempt of this request already produced (a migration re-prefills
     # them as part of the prompt): the penalties count them, seeded draws continue after them and
@@ -85,6 +97,8 @@ class SamplingParams:
             object.__setattr__(self, "prior_output", tuple(self.prior_output))
         if not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, tuple) for w in self.bad_words):
+            object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif not isinstance(self.logit_bias, tuple):
@@ -100,7 +114,7 @@ class SamplingParams:
         """Whether a penalty or ``min_tokens`` changes this request's logits before the choice."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0 or bool(self.logit_bias)
-                or bool(self.allowed_token_ids))
+                or bool(self.allowed_token_ids) or bool(self.bad_words))
 
     def _validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -153,7 +167,16 @@ class SamplingParams:
         for tok in self.allowed_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise InvalidRequestError(f"allowed_token_ids must be non-negative integers, got {tok!r}")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        if len(self.bad_words) > 2 * MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words may hold at most {MAX_BAD_WORDS} words")
+        for word in self.bad_words:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in word):
+                raise InvalidRequestError(f"each of bad_words must be 1-{MAX_BAD_WORD_TOKENS} token ids, got {word!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(f"cache_salt must be a string of 1-{MAX_CACHE_SALT_CHARS} characters")
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

@@ -32,7 +32,8 @@ class StopChecker:
             p = seq.params
             self._text[seq.request_id] = OutputText(self.tokenizer, seq.prompt_token_ids, p.stop,
                                                     skip_special_tokens=p.skip_special_tokens,
-                                                    include_stop_str=p.include_stop_str_in_output)
+                                                    include_stop_str=p.include_stop_str_in_output,
+                                                    spaces_between_special_tokens=p.spaces_between_special_tokens)
 
     def discard(self, request_id: str) -> None:
         self._text.pop(request_id, None)

@@ -39,9 +39,14 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = False) -> None:
         self._skip_special = skip_special_tokens
         self._tok = tokenizer
+        # vLLM's spaces_between_special_tokens: added-vocabulary tokens (the special ones and
+        # others such as <tool_call>) are joined to the text around them by one space each.
+        self._added: frozenset[int] = (frozenset(tokenizer.get_added_vocab().values())
+                                       if spaces_between_special_tokens else frozenset())
+        self._special: frozenset[int] = frozenset(tokenizer.all_special_ids) if self._added else frozenset()
         self._ids: list[int] = list(prompt_token_ids[-6:]) if prompt_token_ids else []
         # _prefix: where the window starts; _read: tokens before it are already emitted.
         self._prefix = 0
@@ -49,7 +54,22 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
+        if not self._added or not any(t in self._added for t in ids):
+            return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t not in self._added:
+                run.append(t)
+                continue
+            if run:
+                pieces.append(self._tok.decode(run, clean_up_tokenization_spaces=False))
+                run = []
+            if not (self._skip_special and t in self._special):
+                pieces.append(self._tok.decode([t], skip_special_tokens=False))
+        if run:
+            pieces.append(self._tok.decode(run, clean_up_tokenization_spaces=False))
+        return " ".join(pieces)
 
     def push(self, token_ids: list[int]) -> str:
         """Add new tokens; return the text they complete (may be empty)."""

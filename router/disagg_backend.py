@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from pdserve.engine.contract import PrefillResult, RequestPhase
-from pdserve.engine.block_manager import chain_hashes
+from pdserve.engine.block_manager import chain_hashes, salt_root
 from pdserve.engine.errors import (
     DeadlineExceededError,
     EngineStepError,
@@ -150,7 +150,7 @@ class DisaggBackend:
                              prior_output=req.params.prior_output + tuple(emitted))
             attempt = f"{req.request_id}#{attempt_no}"
             try:
-                decision = await self._route(prompt, excluded, req.deadline, prefer)
+                decision = await self._route(prompt, excluded, req.deadline, prefer, params.cache_salt)
                 if attempt_no == 1:
                     self._admit_by_predicted_ttft(decision, len(prompt))
                 async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
@@ -190,14 +190,14 @@ class DisaggBackend:
 
     # -------------------------------------------------------------- attempts
     async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None,
-                     prefer: str | None = None) -> RoutingDecision:
+                     prefer: str | None = None, cache_salt: str | None = None) -> RoutingDecision:
         """Pick workers, avoiding those that failed this request before; when that leaves no
         decode worker (or no prefill worker for a prompt that needs one), the earlier ones are
         tried again (their failure may have been transient). A prompt that needs a prefill worker
         when none can take it waits here, in the router, for one (a replacement starting, a
         silent one answering again) up to ``prefill_wait_s`` or its deadline: a decode worker's
         running streams never stall behind its prefill."""
-        hashes = chain_hashes(prompt, self.policy.block_size)
+        hashes = chain_hashes(prompt, self.policy.block_size, salt_root(cache_salt))
         waiting_since: float | None = None
         while True:
             decision = None

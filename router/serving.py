@@ -27,16 +27,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.errors import DeadlineExceededError, InvalidRequestError, PdserveError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
 from pdserve.engine.contract import RequestPhase, RequestRecord
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta
 from pdserve.engine.output_text import OutputText
-from pdserve.router.errors import DuplicateRequestIdError
+from pdserve.router.errors import DuplicateRequestIdError, InvalidParameterError
 from pdserve.router.metrics_text import RouterMetrics
 from pdserve.router.request_observer import RequestObserver, tell_all
 from pdserve.router.tools import ToolRequest, render_messages
@@ -134,6 +134,21 @@ class Serving:
         # The template writes any BOS itself, so no special tokens are added here.
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as token sequences: each word as it starts the text and, where the
+        tokenizer spells it differently after a space, as it follows a space."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+            spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+            for ids in (bare, spaced):
+                if not ids or len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidParameterError(f"the bad word {word[:64]!r} is {len(ids)} tokens; each may be "
+                                                f"1-{MAX_BAD_WORD_TOKENS}", param="bad_words")
+                if ids not in out:
+                    out.append(ids)
+        return tuple(out)
+
     async def tokenize(self, req: TokenizeRequest) -> list[int]:
         """``/tokenize``: the ids a prompt (or a chat) would be served with."""
         check_model(req.model, self.info.name)
@@ -170,6 +185,8 @@ class Serving:
         max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens,
                                         limit=self.limits.max_tokens_limit, field_name=parsed.max_tokens_field)
         params = parsed.sampling_params(max_tokens)
+        if parsed.bad_words:
+            params = replace(params, bad_words=await asyncio.to_thread(self._bad_word_ids, parsed.bad_words))
         check_token_fields(params, self.info.vocab_size)
         request_id = uuid.uuid4().hex
         logger.debug("request %s is the client's %r", request_id, client_id)
@@ -357,7 +374,8 @@ class RequestStream:
         req = self._req
         p = req.params
         text = OutputText(self._s.tokenizer, req.prompt_token_ids, p.stop, skip_special_tokens=p.skip_special_tokens,
-                          include_stop_str=p.include_stop_str_in_output)
+                          include_stop_str=p.include_stop_str_in_output,
+                          spaces_between_special_tokens=p.spaces_between_special_tokens)
         completion = 0
         gaps = self._gaps
         last_chunk_at: float | None = None

@@ -16,11 +16,14 @@ from typing import Any
 
 from pdserve.engine.errors import ModelNotFoundError
 from pdserve.engine.sampling_params import (
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
@@ -56,7 +59,8 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                             "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
                             "allowed_token_ids", "truncate_prompt_tokens", "structured_outputs",
-                            "return_tokens_as_token_ids",
+                            "return_tokens_as_token_ids", "bad_words", "cache_salt",
+                            "spaces_between_special_tokens",
                             "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
@@ -90,6 +94,7 @@ class ParsedRequest:
     n: int = 1            # choices returned for this prompt
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
     echo: bool = False    # the prompt's text leads each choice (completions)
+    bad_words: tuple[str, ...] = ()  # vLLM's: tokenized by Serving.prepare into SamplingParams.bad_words
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
@@ -233,7 +238,8 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
     min_tokens = _opt_int(body, "min_tokens", lo=0)
     if min_tokens:
         out["min_tokens"] = min_tokens
-    for name, neutral in (("skip_special_tokens", True), ("include_stop_str_in_output", False)):
+    for name, neutral in (("skip_special_tokens", True), ("include_stop_str_in_output", False),
+                          ("spaces_between_special_tokens", False)):
         flag = _opt_bool(body, name)
         if flag is not None and flag is not neutral:
             out[name] = flag
@@ -242,6 +248,11 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         if not allowed:
             raise _bad("allowed_token_ids", "'allowed_token_ids' is empty: no token could be chosen")
         out["allowed_token_ids"] = tuple(allowed)
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise _bad("cache_salt", f"'cache_salt' must be a string of 1-{MAX_CACHE_SALT_CHARS} characters")
+        out["cache_salt"] = salt
     bias = body.get("logit_bias")
     if bias is not None:
         out["logit_bias"] = parse_logit_bias(bias)
@@ -264,6 +275,21 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         if logprobs is not None:
             out["logprobs"] = logprobs
     return out
+
+
+def parse_bad_words(body: dict) -> tuple[str, ...]:
+    """vLLM's ``bad_words``: words (strings) the output must not contain; tokenized later."""
+    value = body.get("bad_words")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise _bad("bad_words", "'bad_words' must be a list of non-blank strings")
+    if len(value) > MAX_BAD_WORDS:
+        raise _bad("bad_words", f"'bad_words' may hold at most {MAX_BAD_WORDS} words, got {len(value)}")
+    for word in value:
+        if len(word) > MAX_STOP_STRING_CHARS:
+            raise _bad("bad_words", f"each of 'bad_words' may be at most {MAX_STOP_STRING_CHARS} characters")
+    return tuple(value)
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -453,7 +479,7 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
-                truncate_prompt_tokens=truncate, tokens_as_ids=tokens_as_ids,
+                truncate_prompt_tokens=truncate, tokens_as_ids=tokens_as_ids, bad_words=parse_bad_words(body),
                 sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
 
 

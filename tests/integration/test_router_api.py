@@ -649,3 +649,66 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stack: Stack) -> 
     assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
     assert all(k.startswith("token_id:") for top in r.choices[0].logprobs.top_logprobs for k in top)
     stack.wait_idle()
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_one_salt(stack: Stack) -> None:
+    """vLLM's cache_salt: a prompt's cached blocks serve only requests with the same salt."""
+    client = stack.client()
+    prompt = "Salted prompts share their cache only with their own tenant. " * 8
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0          # first of its salt
+    assert cached("tenant-a") > 0           # same salt: hits
+    assert cached("tenant-b") == 0          # another salt: none of tenant-a's blocks
+    assert cached(None) == 0                # unsalted: none either
+    assert cached(None) > 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": ""})
+    assert info.value.body["param"] == "cache_salt"
+    stack.wait_idle()
+
+
+def test_bad_words_never_appear_as_tokens_in_the_output(stack: Stack) -> None:
+    """vLLM's bad_words: a one-token word is banned outright; a longer one loses its last token
+    whenever the output ends with the rest of it."""
+    client = stack.client()
+    ids, expected = stack.ref[PROMPTS[0]]
+    tok = stack.tokenizer
+    word = tok.decode(expected[:2])
+    assert tok(word, add_special_tokens=False)["input_ids"] == expected[:2], "pick a word that tokenizes back"
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  extra_body={"bad_words": [word], "ignore_eos": True})
+    got = r.pdserve["token_ids"]
+    assert got[0] == expected[0] and got[1] != expected[1]      # the greedy path, its second token banned
+    first = tok.decode(expected[:1]).strip()
+    single = tok(first, add_special_tokens=False)["input_ids"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"bad_words": [first], "ignore_eos": True})
+    if len(single) == 1:
+        assert single[0] not in r.pdserve["token_ids"]
+    assert r.pdserve["token_ids"][:1] != expected[:1] or len(tok(" " + first, add_special_tokens=False)["input_ids"]) > 1
+    for bad in ([""], "word", [1]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, extra_body={"bad_words": bad})
+        assert info.value.body["param"] == "bad_words"
+    stack.wait_idle()
+
+
+def test_spaces_between_special_tokens_sets_them_apart(stack: Stack) -> None:
+    client = stack.client()
+    special = stack.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    body = {"logit_bias": {str(special): 100}, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}}
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, **body)
+    assert r.choices[0].text == "<|im_start|><|im_start|>"
+    body["extra_body"]["spaces_between_special_tokens"] = True
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, **body)
+    # set apart from the prompt's text before it as well (the slow tokenizers' join)
+    assert r.choices[0].text == " <|im_start|> <|im_start|>"
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, stream=True,
+                                       **body)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == " <|im_start|> <|im_start|> <|im_start|>"
+    stack.wait_idle()

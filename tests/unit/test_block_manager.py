@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, chain_hashes
+from pdserve.engine.block_manager import BlockManager, chain_hashes, salt_root
 from pdserve.engine.errors import OutOfBlocksError
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.kv_events import KVEvent, KVEventKind
 from tests.factories import check_block_accounting, make_block_manager, make_seq
 
@@ -266,4 +267,26 @@ def test_reserve_release_and_adopt():
         bm.release(r2)                          # adopted blocks belong to the sequence now
     check_block_accounting(bm, [seq])
     bm.free(seq)
+    assert_nothing_leaked(bm)
+
+
+def test_cache_salt_chains_every_block_from_the_salt():
+    """A salted request's blocks are hashed from its salt: only the same salt hits them, and the
+    KV events (which the router routes by) carry the salted hashes."""
+    bm = make_block_manager(num_blocks=32, block_size=BS)
+    prompt = list(range(1, 14))                 # 3 full blocks + 1
+    a = make_seq("a", prompt_token_ids=prompt)
+    a.params = SamplingParams(temperature=0.0, cache_salt="tenant-a")
+    bm.allocate(a)
+    computed(bm, a)
+    salted = chain_hashes(prompt, BS, salt_root("tenant-a"))
+    assert salted != chain_hashes(prompt, BS)
+    assert bm.drain_events() == [KVEvent(KVEventKind.STORED, h) for h in salted]
+    same, other, bare = (make_seq(n, prompt_token_ids=prompt) for n in ("same", "other", "bare"))
+    same.params = SamplingParams(temperature=0.0, cache_salt="tenant-a")
+    other.params = SamplingParams(temperature=0.0, cache_salt="tenant-b")
+    assert bm.cached_prefix_tokens(same) == 3 * BS
+    assert bm.cached_prefix_tokens(other) == 0 and bm.cached_prefix_tokens(bare) == 0
+    assert salt_root(None) is None and salt_root("x") != salt_root("y")
+    bm.free(a)
     assert_nothing_leaked(bm)

@@ -156,3 +156,18 @@ def test_logit_bias_is_added_to_the_named_tokens_before_the_choice() -> None:
     for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, {i: 1.0 for i in range(301)}):
         with pytest.raises(Exception, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_of_the_word() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 30], logits[0, 31] = 5.0, 4.0
+    params = SamplingParams(max_tokens=8, temperature=0.0, bad_words=[(7, 30), (31,)])
+    assert Sampler().sample(logits, [_seq(params, [1], [5])]).tokens == [30]     # output does not end in 7
+    assert Sampler().sample(logits, [_seq(params, [1], [5, 7])]).tokens != [30]  # ...now it does: 30 banned
+    assert Sampler().sample(logits, [_seq(params, [1], [5, 7])]).tokens != [31]  # a one-token word: always
+    # an earlier attempt's output counts (a migrated request)
+    migrated = SamplingParams(max_tokens=8, temperature=0.0, bad_words=[(7, 30)], prior_output=(7,))
+    assert Sampler().sample(logits, [_seq(migrated, [1, 7], [])]).tokens == [31]
+    for bad in ([()], [(1,) * 33], [(-1,)]):
+        with pytest.raises(Exception, match="bad_words"):
+            SamplingParams(bad_words=bad)

@@ -397,3 +397,13 @@ def test_vllms_structured_outputs_field_maps_to_the_guided_ones() -> None:
             parse_completion_body(completion(structured_outputs=so))
     with pytest.raises(InvalidRequestError, match="send one of them"):
         parse_completion_body(completion(structured_outputs={"regex": "a"}, guided_regex="b"))
+
+
+def test_docs_api_lists_every_field_the_endpoints_accept() -> None:
+    from pathlib import Path
+
+    from pdserve.router import validation
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    missing = sorted(f for f in validation._COMPLETION_FIELDS | validation._CHAT_FIELDS if f"`{f}`" not in doc)
+    assert not missing, f"docs/api.md does not describe {missing}"
