@@ -142,7 +142,10 @@ class BlockManager:
         return hashes
 
     def _hit_blocks(self, seq: Sequence, hashes: list[int]) -> list[int]:
-        """Cached blocks for the leading hashes, leaving at least one token to compute."""
+        """Cached blocks for the leading hashes, leaving at least one token to compute (none for a
+        request that wants its prompt's logprobs: those need every prompt position computed)."""
+        if seq.params.prompt_logprobs is not None:
+            return []
         limit = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for h in hashes[:limit]:

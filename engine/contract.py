@@ -193,6 +193,17 @@ class RequestRecord:
                    time=float(d.get("time") or 0.0), error=d.get("error"), phase=phase)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: for each prompt token after the first, its log-probability given
+    the tokens before it, the top alternatives at that position and its rank (1 = most likely).
+    ``entries[i]`` and ``ranks[i]`` are prompt token ``i + 1``'s (token id -> logprob, the prompt
+    token always included)."""
+
+    entries: tuple[dict[int, float], ...]
+    ranks: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class PrefillResult:
     """What a prefill worker returns to the router for one request: the first token and what it cost.
@@ -207,6 +218,7 @@ class PrefillResult:
     finish_reason: str
     first_token_id: int | None = None
     first_token_logprobs: dict[int, float] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
     # Set when the error is the request's own (see ``StepOutput.error_code``): not retried.
     error_code: str | None = None
@@ -249,6 +261,8 @@ class StepOutput:
     error_code: str | None = None
     # Prompt tokens whose K/V are computed so far (prefill-only mode streams blocks as they complete).
     num_computed_tokens: int = 0
+    # With the request's first token, when it asked for them (SamplingParams.prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

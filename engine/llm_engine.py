@@ -26,7 +26,7 @@ from pdserve.engine.model_runner import ForwardItem, ModelRunner
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.contract import StepOutput  # noqa: F401  (re-exported: the type the engine produces)
+from pdserve.engine.contract import PromptLogprobs, StepOutput  # noqa: F401  (StepOutput re-exported: the type the engine produces)
 from pdserve.engine.sequence import FinishReason, Priority, Sequence, SequenceStatus
 from pdserve.engine.stopping import StopChecker
 from pdserve.engine.structured import GrammarBook
@@ -96,6 +96,19 @@ class ItlBudget:
 
     def _avg(self, old: float | None, sample: float) -> float:
         return sample if old is None else self.WEIGHT * sample + (1 - self.WEIGHT) * old
+
+
+def _set_scoring(item: ForwardItem, seq: Sequence) -> bool:
+    """Point ``item`` at the prompt positions of its chunk not scored yet (vLLM's prompt_logprobs:
+    row p scores prompt token p + 1); False when there are none."""
+    lo = max(item.start_pos, len(seq.prompt_lp_entries))
+    hi = min(item.start_pos + len(item.token_ids), seq.num_prompt_tokens - 1)
+    if lo >= hi:
+        return False
+    item.score_targets = seq.prompt_token_ids[lo + 1:hi + 1]
+    item.score_top = seq.params.prompt_logprobs or 0
+    item.score_from = lo - item.start_pos
+    return True
 
 
 class LLMEngine:
@@ -309,7 +322,15 @@ class LLMEngine:
             ForwardItem(c.seq.token_ids[c.start : c.start + c.num_tokens], c.start, c.seq.block_table, c.sample)
             for c in sched.chunks
         ]
-        logits = self.runner.execute(items)
+        scoring = {i: c.seq for i, c in enumerate(sched.chunks)
+                   if c.seq.params.prompt_logprobs is not None and _set_scoring(items[i], c.seq)}
+        if scoring:
+            logits, scores = self.runner.execute_scored(items)
+            for i, (entries, ranks) in scores.items():
+                scoring[i].prompt_lp_entries += entries
+                scoring[i].prompt_lp_ranks += ranks
+        else:
+            logits = self.runner.execute(items)
         sampling = [c.seq for c in sched.chunks if c.sample]
         result = self.sampler.sample(logits, sampling) if sampling else SampleResult([], [])
         for i, seq in enumerate(sampling):  # each grammar advances by the token its mask allowed
@@ -367,6 +388,8 @@ class LLMEngine:
                 reason = FinishReason.PREFILLED
             out = StepOutput(seq.request_id, [tok], [lp] if lp is not None else None, delta,
                              num_computed_tokens=seq.num_computed_tokens)
+            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                out.prompt_logprobs = PromptLogprobs(tuple(seq.prompt_lp_entries), tuple(seq.prompt_lp_ranks))
             if reason is not None:
                 keep = reason is FinishReason.PREFILLED
                 self.scheduler.finish(seq, reason, free_blocks=not keep)

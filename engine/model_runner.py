@@ -39,6 +39,11 @@ class ForwardItem:
     start_pos: int
     block_table: list[int]
     sample: bool
+    # vLLM's prompt_logprobs: score row i against ``score_targets[i]`` (the token that follows it),
+    # keeping the ``score_top`` most likely alternatives too.
+    score_targets: list[int] | None = None
+    score_top: int = 0
+    score_from: int = 0  # the item's row the first target belongs to
 
 
 class ModelRunner:
@@ -114,11 +119,17 @@ class ModelRunner:
                 "kernels": dict(self.kernels.backends), "kernels_source": self.kernels.source,
                 "attention_backend": self.attention_backend}
 
-    @torch.inference_mode()
     def execute(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[number of items with sample=True, vocab]``."""
+        return self.execute_scored(items)[0]
+
+    @torch.inference_mode()
+    def execute_scored(self, items: list[ForwardItem]) -> tuple[torch.Tensor, dict[int, tuple[list, list]]]:
+        """``execute``, plus for each item with ``score_targets`` (by its index): the logprob entries
+        (target and top alternatives) and the target's rank, one per target."""
+        scores: dict[int, tuple[list, list]] = {}
         if not items:
-            return torch.empty(0, self.spec.vocab_size)
+            return torch.empty(0, self.spec.vocab_size), scores
         order, max_pos = self._check_and_order(items)
         decodes, prefills, token_ids, positions = [], [], [], []
         last_row: dict[int, int] = {}
@@ -143,13 +154,37 @@ class ModelRunner:
         x = F.embedding(ids.to(self.device), self.weights.embed)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, plan, i)
+        for i, it in enumerate(items):
+            if it.score_targets:
+                first = last_row[i] - len(it.token_ids) + 1 + it.score_from
+                scores[i] = self._score(x[first:first + len(it.score_targets)], it.score_targets, it.score_top)
         rows = [last_row[i] for i, it in enumerate(items) if it.sample]
         if not rows:
-            return torch.empty(0, self.spec.vocab_size)
+            return torch.empty(0, self.spec.vocab_size), scores
         if rows != list(range(x.shape[0])):
             x = x[torch.tensor(rows, device=self.device)]
         x = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x).float(), scores
+
+    _SCORE_ROWS = 128  # rows of [rows, vocab] float32 logits held at once while scoring a prompt
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], top: int) -> tuple[list, list]:
+        entries: list[dict[int, float]] = []
+        ranks: list[int] = []
+        for lo in range(0, len(targets), self._SCORE_ROWS):
+            h = rms_norm(hidden[lo:lo + self._SCORE_ROWS], self.weights.norm, self.spec.rms_norm_eps)
+            lp = torch.log_softmax(self.lm_head(h).float(), dim=-1).cpu()
+            tgt = torch.tensor(targets[lo:lo + self._SCORE_ROWS], dtype=torch.int64)
+            picked = lp.gather(1, tgt[:, None])[:, 0]
+            ranks += ((lp > picked[:, None]).sum(dim=1) + 1).tolist()
+            tops = lp.topk(top, dim=-1) if top else None
+            for r, (t, v) in enumerate(zip(tgt.tolist(), picked.tolist())):
+                entry = {t: v}
+                if tops is not None:
+                    for tv, ti in zip(tops.values[r].tolist(), tops.indices[r].tolist()):
+                        entry.setdefault(ti, tv)
+                entries.append(entry)
+        return entries, ranks
 
     def warm_up(self, max_batched_tokens: int, max_seqs: int, max_len: int) -> float:
         """Run the two step shapes a first burst meets, on scratch KV blocks, before any request:

@@ -36,6 +36,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy, otherwise it is at least ``MIN_TEMPERATURE``.
     ``top_k == 0`` and ``top_p == 1`` disable those filters; ``top_p`` is at least ``MIN_TOP_P``.
     ``logprobs`` asks for the chosen token's log-probability plus that many top alternatives.
+    ``prompt_logprobs`` (vLLM's) asks the same of every prompt token after the first; such a
+    request does not read the prefix cache (a cached token has no logits), it computes its prompt.
     Penalties (applied to the logits before greedy or sampled choice, in this order):
     ``repetition_penalty`` (vLLM's: a logit of a token already in the prompt or the output is
     divided by it when positive, multiplied when negative; 1 = off), then ``frequency_penalty``
@@ -67,6 +69,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -201,6 +204,11 @@ class SamplingParams:
                                           "decides where the output ends")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be an integer between 0 and {MAX_LOGPROBS}, "
+                                      f"got {self.prompt_logprobs!r}")
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
                 raise InvalidRequestError(f"logprobs must be an integer, got {self.logprobs!r}")

@@ -68,6 +68,9 @@ class Sequence:
     num_preemptions: int = 0
     # Text already emitted (for stop strings and incremental detokenisation), kept by the engine.
     output_text: str = ""
+    # SamplingParams.prompt_logprobs: entries and ranks of prompt tokens 1.. as their chunks compute.
+    prompt_lp_entries: list[dict[int, float]] = field(default_factory=list)
+    prompt_lp_ranks: list[int] = field(default_factory=list)
     # The structured output's matcher (``engine/structured.py``): advanced by each sampled token.
     grammar: Any = None
 

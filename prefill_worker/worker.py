@@ -147,6 +147,7 @@ class PrefillWorker(WorkerBase):
         result = PrefillResult(out.request_id, self.worker_id, out.finish_reason or "error",
                                first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
                                first_token_logprobs=out.new_logprobs[0] if out.new_logprobs else None,
+                               prompt_logprobs=out.prompt_logprobs,
                                error=out.error, error_code=out.error_code)
         if phase is not None:
             result.prompt_tokens = phase.prompt_tokens

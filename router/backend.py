@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from pdserve.engine.contract import RequestPhase
+from pdserve.engine.contract import PromptLogprobs, RequestPhase
 from pdserve.engine.errors import PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
@@ -62,6 +62,7 @@ class TokenDelta:
 
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,12 +36,16 @@ class ChoiceRequest:
 
 def fork(prepared: PreparedRequest, j: int, index: int) -> PreparedRequest:
     """Candidate ``j`` of a prompt, ``index`` of the response: its own server id, a client id no
-    client can send (it holds spaces), and for a seeded request its own seed (``seed + j``)."""
+    client can send (it holds spaces), and for a seeded request its own seed (``seed + j``).
+    Only a prompt's first candidate computes its ``prompt_logprobs``."""
     if index == 0:
         return prepared
     params = prepared.params
     if params.seed is not None and j:
         params = replace(params, seed=(params.seed + j) % 2**64)
+    if j and params.prompt_logprobs is not None:
+        # the first candidate scores the prompt; the others read its KV from the prefix cache
+        params = replace(params, prompt_logprobs=None)
     return replace(prepared, request_id=uuid.uuid4().hex, params=params,
                    client_id=f"{prepared.client_id} choice {index}" if prepared.client_id else "")
 

@@ -147,7 +147,9 @@ class DisaggBackend:
             # the client already got (penalties, seeded draws and the grammar go on after them).
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
                              min_tokens=max(0, req.params.min_tokens - len(emitted)),
-                             prior_output=req.params.prior_output + tuple(emitted))
+                             prior_output=req.params.prior_output + tuple(emitted),
+                             # the client has the prompt's logprobs once the first token came back
+                             prompt_logprobs=req.params.prompt_logprobs if not emitted else None)
             attempt = f"{req.request_id}#{attempt_no}"
             try:
                 decision = await self._route(prompt, excluded, req.deadline, prefer, params.cache_salt)
@@ -339,7 +341,7 @@ class DisaggBackend:
                         local_tokens = 0
                         decoding = True
                         d_view.decoding_requests += 1
-                    yield TokenDelta(list(out.new_token_ids), out.new_logprobs)
+                    yield TokenDelta(list(out.new_token_ids), out.new_logprobs, out.prompt_logprobs)
                 if out.finished:
                     finished = True
                     await self._ledger(LedgerState.FREED, attempt)
@@ -405,7 +407,8 @@ class DisaggBackend:
                                  reported=res.error)
         acc.prefilled = res
         first = TokenDelta([res.first_token_id],
-                           [res.first_token_logprobs] if res.first_token_logprobs is not None else None)
+                           [res.first_token_logprobs] if res.first_token_logprobs is not None else None,
+                           res.prompt_logprobs)
         if res.finish_reason != "prefilled":
             # Ended at its first token (EOS / max_tokens 1): nothing to decode.
             self._abort_remote(attempt, d, None)

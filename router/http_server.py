@@ -125,7 +125,8 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                               logprobs=prepared.params.logprobs, tools=parsed.tools,
-                              tokens_as_ids=parsed.tokens_as_ids)
+                              tokens_as_ids=parsed.tokens_as_ids, prompt_ids=prepared.prompt_token_ids,
+                              prompt_logprobs=parsed.prompt_logprobs)
     # Ids are scoped per API key; without authentication every client shares one scope.
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
@@ -217,9 +218,14 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
     events = run_choices(serving, choices, api="http", scope=scope)
     usage_prompt = sum(len(p.prompt_token_ids) for p in prepared)
 
-    def builder(index: int) -> ResponseBuilder:
+    def builder(index: int, group: int = 0, *, full: bool = False) -> ResponseBuilder:
+        """The builder of choice ``index`` (of prompt ``group``); ``full``: a whole response, which
+        carries the echoed prompt itself (a stream sends it as a chunk of its own)."""
         return ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat, logprobs=wanted_logprobs,
-                               index=index, tools=parsed[0].tools, tokens_as_ids=parsed[0].tokens_as_ids)
+                               index=index, tools=parsed[0].tools, tokens_as_ids=parsed[0].tokens_as_ids,
+                               prompt_ids=prepared[group].prompt_token_ids,
+                               prompt_logprobs=parsed[group].prompt_logprobs,
+                               echo=echo[group] if full else "", score_only=full and parsed[group].max_tokens == 0)
 
     if not parsed[0].stream:
         chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
@@ -235,26 +241,34 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
         finally:
             await events.aclose()
         out_choices, extras = [], []
+        chat_prompt_lp = None
         for g in range(len(prepared)):
             cands = [c.index for c in choices if c.group == g]
+            # the prompt's first candidate scored it (prompt_logprobs); its siblings share that
+            scored = next((ch.prompt_logprobs for ch in chunks[cands[0]] if ch.prompt_logprobs is not None), None)
+            if scored is not None:
+                for i in cands[1:]:
+                    chunks[i].insert(0, Chunk([], "", None, scored))
             if ranked:
                 cands.sort(key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in zip(ch.token_ids, ch.logprobs or [])))
             for rank, i in enumerate(cands[:n]):
-                body = builder(g * n + rank).full(chunks[i], finals[i])
-                choice = body["choices"][0]
-                if echo[g]:
-                    choice["text"] = echo[g] + choice["text"]
-                out_choices.append(choice)
+                body = builder(g * n + rank, g, full=True).full(chunks[i], finals[i])
+                out_choices.append(body["choices"][0])
+                chat_prompt_lp = body.get("prompt_logprobs")  # chat: one prompt, one list (vLLM's place)
                 extras.append({"index": g * n + rank, "token_ids": body["pdserve"]["token_ids"],
                                "phase": body["pdserve"]["phase"]})
         cached = sum(finals[g * best_of].phase.cached_prompt_tokens for g in range(len(prepared)))  # first choices
-        completion = sum(f.phase.output_tokens for f in finals.values())
+        # max_tokens 0 (echo): the token each candidate generated is not returned, nor counted
+        completion = sum(f.phase.output_tokens for i, f in finals.items()
+                         if parsed[next(c.group for c in choices if c.index == i)].max_tokens != 0)
         body = builder(0)._envelope(stream=False)
         body.update(choices=out_choices, usage=usage_totals(usage_prompt, cached, completion))
+        if chat_prompt_lp is not None:
+            body["prompt_logprobs"] = chat_prompt_lp
         body["pdserve"] = {"request_id": rid, "choices": extras}
         return web.json_response(body, headers={"X-Request-Id": client_id})
 
-    builders = {c.index: builder(c.index) for c in choices}
+    builders = {c.index: builder(c.index, c.group) for c in choices}
     try:
         first = await anext(events)
     except StopAsyncIteration:

@@ -137,7 +137,7 @@ class LocalEngineBackend:
                 continue  # aborted and already reported, or not ours
             items = batches.setdefault(stream, [])
             if out.new_token_ids:
-                items.append(TokenDelta(list(out.new_token_ids), out.new_logprobs))
+                items.append(TokenDelta(list(out.new_token_ids), out.new_logprobs, out.prompt_logprobs))
             if out.finished:
                 del self._streams[out.request_id]
                 items.append(self._finished(out, stream))

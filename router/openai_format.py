@@ -38,7 +38,16 @@ class ResponseBuilder:
 
     def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
                  logprobs: int | None, index: int = 0, tools: ToolRequest | None = None,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, prompt_ids: list[int] | None = None,
+                 prompt_logprobs: int | None = None, echo: str = "", score_only: bool = False) -> None:
+        """``prompt_logprobs``: how many alternatives the client asked for at each prompt token (vLLM's
+        field; None: not asked). ``echo``: the prompt's text, which leads the completion's text (and,
+        with ``logprobs``, its tokens lead the logprobs). ``score_only``: OpenAI's ``max_tokens`` 0
+        with ``echo``: the one token generated is left out."""
+        self._prompt_ids = prompt_ids or []
+        self._prompt_lp = prompt_logprobs
+        self._echo = echo
+        self._score_only = score_only
         self._tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self.request_id = request_id
         self.index = index  # the choice this builder shapes (n > 1, several prompts)
@@ -87,10 +96,53 @@ class ResponseBuilder:
             self._text_offset += len(s)
         return body
 
+    def _prompt_logprobs_list(self, scored) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one a map from
+        token id to its logprob, rank and text: the prompt's token and the top alternatives."""
+        k = self._prompt_lp or 0
+        out: list[dict | None] = [None]
+        for i, (entry, rank) in enumerate(zip(scored.entries, scored.ranks)):
+            tok = self._prompt_ids[i + 1]
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            item = {str(t): {"logprob": v, "rank": r, "decoded_token": self._token_str(t)}
+                    for r, (t, v) in enumerate(top, start=1)}
+            item[str(tok)] = {"logprob": entry[tok], "rank": rank, "decoded_token": self._token_str(tok)}
+            out.append(item)
+        return out
+
+    def _echo_logprobs(self, scored, generated: dict | None) -> dict:
+        """Legacy completions' logprobs with ``echo``: the prompt's tokens first (the first one
+        without a logprob), then the generated ones, offsets counted from the start of the prompt."""
+        k = self._logprobs or 0
+        body: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for i, tok in enumerate(self._prompt_ids):
+            s = self._token_str(tok)
+            entry = scored.entries[i - 1] if i else None
+            body["tokens"].append(s)
+            body["token_logprobs"].append(entry[tok] if entry else None)
+            body["top_logprobs"].append({self._token_str(t): v for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:k]}
+                                        if entry else None)
+            body["text_offset"].append(offset)
+            offset += len(s)
+        if generated is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                body[key] += generated[key]
+            body["text_offset"] += [offset + o for o in generated["text_offset"]]
+        return body
+
     def full(self, chunks: list[Chunk], final: Finished) -> dict:
         """The body of a non-streaming response."""
+        scored = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+        if self._score_only:
+            chunks = [Chunk([], "")]
         text = "".join(c.text for c in chunks)
-        choice: dict = {"index": self.index, "logprobs": self.logprobs_body(chunks), "finish_reason": final.finish_reason}
+        logprobs = self.logprobs_body(chunks)
+        if self._echo:
+            text = self._echo + text
+            if self._logprobs is not None and scored is not None:
+                logprobs = self._echo_logprobs(scored, None if self._score_only else logprobs)
+        choice: dict = {"index": self.index, "logprobs": logprobs, "finish_reason": final.finish_reason}
         if self.tools is not None:
             reply = parse_reply(text, self.tools)
             choice["message"] = {"role": "assistant", "content": reply.content}
@@ -101,8 +153,12 @@ class ResponseBuilder:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if self._prompt_lp is not None and scored is not None and not self.chat:
+            choice["prompt_logprobs"] = self._prompt_logprobs_list(scored)
         body = self._envelope(stream=False)
         body.update(choices=[choice], usage=usage_body(final))
+        if self._prompt_lp is not None and scored is not None and self.chat:
+            body["prompt_logprobs"] = self._prompt_logprobs_list(scored)  # vLLM's place for it in chat
         body["pdserve"] = {"request_id": self.request_id, "token_ids": [t for c in chunks for t in c.token_ids],
                            "phase": final.phase.to_dict()}
         return body

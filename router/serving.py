@@ -33,7 +33,7 @@ from pdserve.engine.errors import DeadlineExceededError, InvalidRequestError, Pd
 from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.router.admission import Admission
-from pdserve.engine.contract import RequestPhase, RequestRecord
+from pdserve.engine.contract import PromptLogprobs, RequestPhase, RequestRecord
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta
 from pdserve.engine.output_text import OutputText
 from pdserve.router.errors import DuplicateRequestIdError, InvalidParameterError
@@ -84,6 +84,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the first chunk's, when asked for
 
 
 class Serving:
@@ -184,7 +185,9 @@ class Serving:
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)
         max_tokens = resolve_max_tokens(parsed.max_tokens, len(ids), self.info.max_model_len, default_max_tokens,
                                         limit=self.limits.max_tokens_limit, field_name=parsed.max_tokens_field)
-        params = parsed.sampling_params(max_tokens)
+        # max_tokens 0 (completions with echo: score the prompt only) still runs one step; the
+        # response leaves its token out
+        params = parsed.sampling_params(max(1, max_tokens))
         if parsed.bad_words:
             params = replace(params, bad_words=await asyncio.to_thread(self._bad_word_ids, parsed.bad_words))
         check_token_fields(params, self.info.vocab_size)
@@ -401,7 +404,7 @@ class RequestStream:
                     if last_chunk_at is not None:
                         gaps.append(now - last_chunk_at)
                     last_chunk_at = now
-                    yield Chunk(ids, "".join(pieces), lps)
+                    yield Chunk(ids, "".join(pieces), lps, item.prompt_logprobs)
                 if not text.stopped:
                     continue
                 finished = await self._await_finished()

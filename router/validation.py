@@ -59,7 +59,7 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                             "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
                             "allowed_token_ids", "truncate_prompt_tokens", "structured_outputs",
-                            "return_tokens_as_token_ids", "bad_words", "cache_salt",
+                            "return_tokens_as_token_ids", "bad_words", "cache_salt", "prompt_logprobs",
                             "spaces_between_special_tokens",
                             "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
@@ -95,6 +95,7 @@ class ParsedRequest:
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
     echo: bool = False    # the prompt's text leads each choice (completions)
     bad_words: tuple[str, ...] = ()  # vLLM's: tokenized by Serving.prepare into SamplingParams.bad_words
+    prompt_logprobs: int | None = None  # vLLM's, as the client asked (echo with logprobs scores the prompt too)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
@@ -274,6 +275,9 @@ def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         logprobs = _opt_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
         if logprobs is not None:
             out["logprobs"] = logprobs
+    prompt_lp = _opt_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if prompt_lp is not None:
+        out["prompt_logprobs"] = prompt_lp
     return out
 
 
@@ -470,17 +474,26 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
     echo = bool(_opt_bool(body, "echo")) if not chat else False
     truncate = _opt_int(body, "truncate_prompt_tokens", lo=1)
     tokens_as_ids = bool(_opt_bool(body, "return_tokens_as_token_ids"))
-    if echo and body.get("logprobs") is not None:
-        raise _bad("echo", "'echo' with 'logprobs' is not supported: pdserve does not score the prompt's "
-                           "tokens; leave one of them out")
-    max_tokens = _opt_int(body, "max_tokens", lo=1)
+    sampling = parse_sampling(body, chat=chat)
+    asked_prompt_lp = sampling.get("prompt_logprobs")
+    if asked_prompt_lp is not None and stream:
+        raise _bad("prompt_logprobs", "'prompt_logprobs' cannot be streamed (as in vLLM); leave 'stream' out")
+    if echo and sampling.get("logprobs") is not None:
+        if stream:
+            raise _bad("echo", "'echo' with 'logprobs' scores the prompt, which cannot be streamed; leave "
+                               "'stream' out")
+        # the echoed prompt's tokens get their logprobs too (OpenAI's legacy completions)
+        sampling["prompt_logprobs"] = max(sampling["logprobs"], sampling.get("prompt_logprobs") or 0)
+    max_tokens = _opt_int(body, "max_tokens", lo=0 if echo else 1)
+    if max_tokens == 0 and stream:
+        raise _bad("max_tokens", "'max_tokens' 0 (echo the prompt, generate nothing) cannot be streamed")
     max_tokens_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens, max_tokens_field = _opt_int(body, "max_completion_tokens", lo=1), "max_completion_tokens"
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
                 truncate_prompt_tokens=truncate, tokens_as_ids=tokens_as_ids, bad_words=parse_bad_words(body),
-                sampling=parse_sampling(body, chat=chat), priority=parse_priority(body.get("priority")))
+                prompt_logprobs=asked_prompt_lp, sampling=sampling, priority=parse_priority(body.get("priority")))
 
 
 def parse_completion_body(body: Any) -> ParsedRequest:

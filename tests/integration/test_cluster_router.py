@@ -187,6 +187,38 @@ def test_repeated_prefix_reports_cached_tokens(cluster: ClusterHarness) -> None:
     assert extra(second)["phase"]["kv_bytes"] > 0  # cached on P still moves to D
 
 
+def test_prompt_logprobs_and_cache_salt_through_disaggregation(cluster: ClusterHarness) -> None:
+    """The prefill worker scores a chunked prompt (vLLM's prompt_logprobs) and the router returns
+    what the engine alone computes; a salted prompt's cached blocks serve only its own salt."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    client = cluster.openai()
+    ids, expected = cluster.ref[LONG_PROMPT]
+    r = client.completions.create(model=cluster.model_name, prompt=LONG_PROMPT, max_tokens=GEN, temperature=0,
+                                  extra_body={"prompt_logprobs": 1}).model_dump()
+    assert r["pdserve"]["token_ids"] == expected
+    assert r["pdserve"]["phase"]["prefill_worker"].startswith("prefill")
+    engine = reference_engine(cluster.config)
+    seq = engine.add_request("scored", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    while engine.has_unfinished():
+        engine.step()
+    pl = r["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for p in range(len(ids) - 1):
+        got = pl[p + 1][str(ids[p + 1])]
+        assert abs(got["logprob"] - seq.prompt_lp_entries[p][ids[p + 1]]) < 1e-4
+        assert got["rank"] == seq.prompt_lp_ranks[p]
+    prompt = "Salted on the prefill worker, so only its own tenant hits it. " * 6
+
+    def cached(salt: str) -> int:
+        out = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("a") == 0 and cached("a") > 0 and cached("b") == 0
+    cluster.assert_nothing_held()
+
+
 def test_request_ended_by_its_prefill_frees_its_ledger_entry_at_once(cluster: ClusterHarness) -> None:
     """max_tokens 1 (as a migration with one token left also asks): the prefill worker's token
     ends the request, so its entry goes TRANSFERRING -> FREED at once, not at lease expiry."""

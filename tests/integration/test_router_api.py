@@ -712,3 +712,46 @@ def test_spaces_between_special_tokens_sets_them_apart(stack: Stack) -> None:
                                        **body)
     assert "".join(c.choices[0].text for c in stream if c.choices) == " <|im_start|> <|im_start|> <|im_start|>"
     stack.wait_idle()
+
+
+def test_prompt_logprobs_and_echo_score_the_prompt_as_transformers_does(stack: Stack) -> None:
+    """vLLM's prompt_logprobs, and OpenAI's echo + logprobs with max_tokens 0 (what lm-eval's
+    loglikelihood sends): the prompt's logprobs match transformers' on the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client = stack.client()
+    prompt = "Cache me if you can, said the long prompt. " * 6     # cached by an earlier test, or now
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    ids = stack.tokenizer(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(stack.engine.config.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [float(ref[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    body = r.model_dump()
+    pl = body["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    got = [pl[p + 1][str(ids[p + 1])]["logprob"] for p in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+    rank = int((ref[0] > ref[0, ids[1]]).sum()) + 1
+    assert pl[1][str(ids[1])]["rank"] == rank and len(pl[1]) in (2, 3)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0      # scored, so computed, not read from cache
+
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-3
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    assert len(r.choices[0].logprobs.tokens) == len(ids) + 3 and r.usage.completion_tokens == 3
+    assert r.choices[0].text.startswith(prompt)
+
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0, n=2,
+                                          extra_body={"prompt_logprobs": 0}).model_dump()
+    assert len(chat["prompt_logprobs"]) == len(stack.ref["chat"][0]) and chat["prompt_logprobs"][0] is None
+    stack.wait_idle()
