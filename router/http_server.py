@@ -34,6 +34,7 @@ from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
 from pdserve.router import batch_api
 from pdserve.router.batch_api import BatchStore
+from pdserve.router.beam_search import beam_search
 from pdserve.router.choices import ChoiceRequest, fork, run_choices
 from pdserve.router.validation import (ParsedRequest, check_model, check_request_id, parse_chat_body,
                                        parse_completion_bodies, parse_detokenize_body, parse_tokenize_body)
@@ -116,17 +117,39 @@ def _check_auth(request: web.Request) -> None:
     request.app[_AUTH].check(request.headers.get("Authorization"))
 
 
+def _client_id(request: web.Request, parsed: ParsedRequest, default: str) -> str:
+    """The client's own id: the X-Request-Id header or vLLM's ``request_id`` body field (one id if both)."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None:
+        check_request_id(given, param="X-Request-Id")
+        if parsed.request_id is not None and parsed.request_id != given:
+            raise errors.InvalidParameterError("'request_id' and the X-Request-Id header differ; send one id",
+                                               param="request_id")
+        return given
+    return parsed.request_id or default
+
+
+def _echo_text(parsed: ParsedRequest, prompt_ids: list[int], tokenizer) -> str:
+    """What ``echo`` repeats: the prompt's text, or in a chat the final (assistant) message."""
+    if not parsed.echo:
+        return ""
+    if parsed.messages is not None:
+        return parsed.messages[-1].get("content") or ""
+    return parsed.prompt_text if parsed.prompt_text is not None else tokenizer.decode(prompt_ids)
+
+
 async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) -> web.StreamResponse:
     serving = request.app[_SERVING]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     # The client's own id (X-Request-Id) is echoed back; a live duplicate of it is 409.
-    given = request.headers.get("X-Request-Id")
-    client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
+    client_id = _client_id(request, parsed, rid)
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                               logprobs=prepared.params.logprobs, tools=parsed.tools,
                               tokens_as_ids=parsed.tokens_as_ids, prompt_ids=prepared.prompt_token_ids,
-                              prompt_logprobs=parsed.prompt_logprobs)
+                              prompt_logprobs=parsed.prompt_logprobs,
+                              echo=_echo_text(parsed, prepared.prompt_token_ids, serving.tokenizer),
+                              return_token_ids=parsed.return_token_ids)
     # Ids are scoped per API key; without authentication every client shares one scope.
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
@@ -158,9 +181,9 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
         await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
 
     try:
-        opening = builder.first_chunk()
-        if opening is not None:
-            await send(opening)
+        for opening in (builder.first_chunk(), builder.echo_chunk()):
+            if opening is not None:
+                await send(opening)
         ev = first
         while not isinstance(ev, Finished):
             await send(builder.chunk(ev))
@@ -182,6 +205,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
     parsed = parse_completion_bodies(await _read_json(request))
     one = parsed[0]
+    if one.beam_width:
+        return await _generate_beams(request, parsed, chat=False)
     if len(parsed) == 1 and one.best_of == 1 and not one.echo:
         return await _generate(request, one, chat=False)
     return await _generate_many(request, parsed, chat=False)
@@ -190,9 +215,44 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
     parsed = parse_chat_body(await _read_json(request))
+    if parsed.beam_width:
+        return await _generate_beams(request, [parsed], chat=True)
     if parsed.n == 1:
         return await _generate(request, parsed, chat=True)
     return await _generate_many(request, [parsed], chat=True)
+
+
+async def _generate_beams(request: web.Request, parsed: list[ParsedRequest], *, chat: bool) -> web.Response:
+    """vLLM's ``use_beam_search``: each prompt's ``n`` best beams (``router/beam_search.py``) as its
+    choices, ``finish_reason`` ``stop`` for a beam that ended with EOS, else ``length``."""
+    serving = request.app[_SERVING]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    client_id = _client_id(request, parsed[0], rid)
+    auth = request.app[_AUTH]
+    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    eos = frozenset(serving.info.eos_token_ids)
+    out_choices, extras, prompt_tokens, completion = [], [], 0, 0
+    for g, p in enumerate(parsed):
+        prepared = await serving.prepare(p, client_id, default_max_tokens=None if chat else 16)
+        result = await beam_search(serving, prepared, p.beam_width, p.length_penalty, eos_token_ids=eos,
+                                   api="http", scope=scope)
+        prompt_tokens += len(prepared.prompt_token_ids)
+        for rank, beam in enumerate(result.beams):
+            tokens = beam.tokens[:-1] if beam.ended else beam.tokens
+            text = serving.tokenizer.decode(tokens, skip_special_tokens=prepared.params.skip_special_tokens)
+            index = g * p.beam_width + rank
+            choice: dict = {"index": index, "logprobs": None, "finish_reason": "stop" if beam.ended else "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out_choices.append(choice)
+            extras.append({"index": index, "token_ids": beam.tokens, "cumulative_logprob": beam.logprob})
+            completion += len(beam.tokens)
+    body = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat, logprobs=None)._envelope(stream=False)
+    body.update(choices=out_choices, usage=usage_totals(prompt_tokens, 0, completion))
+    body["pdserve"] = {"request_id": rid, "choices": extras}
+    return web.json_response(body, headers={"X-Request-Id": client_id})
 
 
 async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, chat: bool) -> web.StreamResponse:
@@ -200,8 +260,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
     candidates of which the ``n`` most likely (highest sum of token logprobs) are returned."""
     serving = request.app[_SERVING]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    given = request.headers.get("X-Request-Id")
-    client_id = check_request_id(given, param="X-Request-Id") if given is not None else rid
+    client_id = _client_id(request, parsed[0], rid)
     prepared = [await serving.prepare(p, client_id, default_max_tokens=None if chat else 16) for p in parsed]
     n, best_of = parsed[0].n, parsed[0].best_of
     wanted_logprobs = prepared[0].params.logprobs
@@ -211,8 +270,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
         if ranked and prep.params.logprobs is None:  # the ranking needs each token's logprob
             prep = dataclasses.replace(prep, params=dataclasses.replace(prep.params, logprobs=0))
         choices += [ChoiceRequest(g * best_of + j, g, fork(prep, j, g * best_of + j)) for j in range(best_of)]
-    echo = [(p.prompt_text if p.prompt_text is not None else serving.tokenizer.decode(pp.prompt_token_ids))
-            if p.echo else "" for p, pp in zip(parsed, prepared)]
+    echo = [_echo_text(p, pp.prompt_token_ids, serving.tokenizer) for p, pp in zip(parsed, prepared)]
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
     events = run_choices(serving, choices, api="http", scope=scope)
@@ -225,7 +283,8 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
                                index=index, tools=parsed[0].tools, tokens_as_ids=parsed[0].tokens_as_ids,
                                prompt_ids=prepared[group].prompt_token_ids,
                                prompt_logprobs=parsed[group].prompt_logprobs,
-                               echo=echo[group] if full else "", score_only=full and parsed[group].max_tokens == 0)
+                               echo=echo[group] if full else "", score_only=full and parsed[group].max_tokens == 0,
+                               return_token_ids=parsed[group].return_token_ids)
 
     if not parsed[0].stream:
         chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}

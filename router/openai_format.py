@@ -39,7 +39,8 @@ class ResponseBuilder:
     def __init__(self, request_id: str, model: str, tokenizer: PreTrainedTokenizerBase, *, chat: bool,
                  logprobs: int | None, index: int = 0, tools: ToolRequest | None = None,
                  tokens_as_ids: bool = False, prompt_ids: list[int] | None = None,
-                 prompt_logprobs: int | None = None, echo: str = "", score_only: bool = False) -> None:
+                 prompt_logprobs: int | None = None, echo: str = "", score_only: bool = False,
+                 return_token_ids: bool = False) -> None:
         """``prompt_logprobs``: how many alternatives the client asked for at each prompt token (vLLM's
         field; None: not asked). ``echo``: the prompt's text, which leads the completion's text (and,
         with ``logprobs``, its tokens lead the logprobs). ``score_only``: OpenAI's ``max_tokens`` 0
@@ -48,6 +49,8 @@ class ResponseBuilder:
         self._prompt_lp = prompt_logprobs
         self._echo = echo
         self._score_only = score_only
+        self._return_ids = return_token_ids  # vLLM's return_token_ids: the ids beside the text
+        self._prompt_ids_sent = False
         self._tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self.request_id = request_id
         self.index = index  # the choice this builder shapes (n > 1, several prompts)
@@ -155,8 +158,14 @@ class ResponseBuilder:
             choice["text"] = text
         if self._prompt_lp is not None and scored is not None and not self.chat:
             choice["prompt_logprobs"] = self._prompt_logprobs_list(scored)
+        if self._return_ids:
+            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+            if not self.chat:
+                choice["prompt_token_ids"] = list(self._prompt_ids)
         body = self._envelope(stream=False)
         body.update(choices=[choice], usage=usage_body(final))
+        if self._return_ids and self.chat:
+            body["prompt_token_ids"] = list(self._prompt_ids)
         if self._prompt_lp is not None and scored is not None and self.chat:
             body["prompt_logprobs"] = self._prompt_logprobs_list(scored)  # vLLM's place for it in chat
         body["pdserve"] = {"request_id": self.request_id, "token_ids": [t for c in chunks for t in c.token_ids],
@@ -170,7 +179,14 @@ class ResponseBuilder:
         body = self._envelope(stream=True)
         body["choices"] = [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}]
+        if self._return_ids:
+            body["prompt_token_ids"] = list(self._prompt_ids)
+            self._prompt_ids_sent = True
         return body
+
+    def echo_chunk(self) -> dict | None:
+        """A stream's chunk of the echoed text (before any generated text), if ``echo`` is set."""
+        return self.chunk(Chunk([], self._echo)) if self._echo else None
 
     def chunk(self, chunk: Chunk) -> dict:
         choice: dict = {"index": self.index, "logprobs": self.logprobs_body([chunk]), "finish_reason": None}
@@ -180,6 +196,11 @@ class ResponseBuilder:
             choice["delta"] = {"content": chunk.text}
         else:
             choice["text"] = chunk.text
+        if self._return_ids:
+            choice["token_ids"] = list(chunk.token_ids)
+            if not self._prompt_ids_sent:
+                choice["prompt_token_ids"] = list(self._prompt_ids)
+                self._prompt_ids_sent = True
         body = self._envelope(stream=True)
         body["choices"] = [choice]
         body["pdserve"] = {"token_ids": chunk.token_ids}

@@ -109,12 +109,12 @@ class Serving:
         self.metrics.add_gauge("requests_rejected_total", lambda: self.admission.rejected_total)
 
     # ----------------------------------------------------------------- prepare
-    def _encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                      tools: ToolRequest | None = None, continue_final_message: bool = False,
-                     template_kwargs: dict | None = None) -> list[int]:
+                     template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError(f"model '{self.info.name}' has no chat template; use /v1/completions")
@@ -132,8 +132,9 @@ class Serving:
                                                           tokenize=False, **extra)
         except Exception as exc:  # jinja raises its own types for templates that reject the messages
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from exc
-        # The template writes any BOS itself, so no special tokens are added here.
-        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        # The template writes any BOS itself, so no special tokens are added here unless asked
+        # (vLLM's add_special_tokens).
+        return list(self.tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's ``bad_words`` as token sequences: each word as it starts the text and, where the
@@ -177,9 +178,11 @@ class Serving:
             ids = list(parsed.prompt_token_ids)
         elif parsed.messages is not None:
             ids = await asyncio.to_thread(self._encode_chat, parsed.messages, parsed.add_generation_prompt,
-                                          parsed.tools, parsed.continue_final_message, parsed.chat_template_kwargs)
+                                          parsed.tools, parsed.continue_final_message, parsed.chat_template_kwargs,
+                                          bool(parsed.add_special_tokens))
         else:
-            ids = await asyncio.to_thread(self._encode_text, parsed.prompt_text or "")
+            ids = await asyncio.to_thread(self._encode_text, parsed.prompt_text or "",
+                                          parsed.add_special_tokens is not False)
         if parsed.truncate_prompt_tokens is not None:
             ids = ids[-parsed.truncate_prompt_tokens:]   # vLLM's: the prompt's last k tokens
         check_prompt_tokens(ids, self.info.vocab_size, self.info.max_model_len)

@@ -35,6 +35,8 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import Priority
 from pdserve.engine.structured import StructuredOutput, check as check_structured, choice_spec
 from pdserve.router.errors import InvalidParameterError
+
+MAX_BEAM_WIDTH = 10  # beams keep the top 2 * width logprobs of a step (at most MAX_LOGPROBS)
 from pdserve.router.tools import ToolRequest, check_message, parse_tools, tool_grammar
 
 MAX_TEMPERATURE = 2.0
@@ -52,6 +54,21 @@ _UNSUPPORTED = (
     ("function_call", (None, "none"), "the legacy 'function_call' is not supported; use 'tool_choice'"),
     ("store", (None, False), "storing completions is not supported; leave 'store' out"),
     ("metadata", (None,), "metadata is kept only with stored completions, which are not supported"),
+    # vLLM's extension fields pdserve does not serve, each with why and what to do instead
+    ("guided_decoding_backend", (None, "auto", "xgrammar"),
+     "pdserve's grammar engine is xgrammar; leave 'guided_decoding_backend' out (or \"xgrammar\")"),
+    ("guided_whitespace_pattern", (None,), "xgrammar sets the whitespace of JSON outputs itself; leave "
+     "'guided_whitespace_pattern' out"),
+    ("logits_processors", (None, []), "logits processors named by a request would run code in the server; use "
+     "'logit_bias', 'allowed_token_ids' or 'bad_words'"),
+    ("prompt_embeds", (None,), "prompts are text or token ids; embeddings are not accepted"),
+    ("kv_transfer_params", (None,), "pdserve moves KV between its own prefill and decode pools; a transfer "
+     "described by the client is not accepted"),
+    ("vllm_xargs", (None,), "no extension here takes extra arguments; leave 'vllm_xargs' out"),
+    ("chat_template", (None,), "a chat template sent with a request would run in the server; the model's own "
+     "template is used (its variables go in 'chat_template_kwargs')"),
+    ("documents", (None,), "the chat template is not given documents; put them in a message"),
+    ("mm_processor_kwargs", (None,), "pdserve serves text models; there is no multimodal processor"),
 )
 # Every request field each endpoint reads; anything else is refused by name (never ignored).
 _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
@@ -60,13 +77,15 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
                             "allowed_token_ids", "truncate_prompt_tokens", "structured_outputs",
                             "return_tokens_as_token_ids", "bad_words", "cache_salt", "prompt_logprobs",
+                            "use_beam_search", "length_penalty", "add_special_tokens", "request_id",
+                            "return_token_ids",
                             "spaces_between_special_tokens",
                             "response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
 MAX_CHOICES = 64   # n (or best_of) times the prompts of one request
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "echo",
                                  "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
                                  "chat_template_kwargs"}
 
@@ -93,9 +112,14 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     n: int = 1            # choices returned for this prompt
     best_of: int = 1      # candidates generated, the n most likely returned (completions, not streamed)
-    echo: bool = False    # the prompt's text leads each choice (completions)
+    echo: bool = False    # the prompt's text (chat: the final assistant message) leads each choice
     bad_words: tuple[str, ...] = ()  # vLLM's: tokenized by Serving.prepare into SamplingParams.bad_words
     prompt_logprobs: int | None = None  # vLLM's, as the client asked (echo with logprobs scores the prompt too)
+    add_special_tokens: bool | None = None  # vLLM's: None = the endpoint's default (completions yes, chat no)
+    request_id: str | None = None   # vLLM's body field: the client's id, as X-Request-Id
+    return_token_ids: bool = False  # vLLM's: token ids (and the prompt's) in each choice
+    beam_width: int = 0   # vLLM's use_beam_search: this many beams (n); 0: no beam search
+    length_penalty: float = 1.0
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
@@ -182,11 +206,11 @@ def check_request_id(request_id: str, param: str = "request_id") -> str:
 
 
 def parse_priority(value: Any) -> Priority:
-    if value is None:
+    if value is None or (type(value) is int and value == 0):  # vLLM's integer priority, at its default
         return Priority.INTERACTIVE
     if isinstance(value, str) and value.lower() in _PRIORITIES:
         return _PRIORITIES[value.lower()]
-    raise _bad("priority", f"'priority' must be one of {sorted(_PRIORITIES)}, got {value!r}")
+    raise _bad("priority", f"'priority' must be one of {sorted(_PRIORITIES)} (or 0, vLLM's default), got {value!r}")
 
 
 def parse_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
@@ -471,20 +495,26 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
     if best_of is not None and best_of > 1 and stream:
         raise _bad("best_of", "'best_of' cannot be streamed: the best choices are known only at the end; "
                               "leave 'stream' out, or use 'n'")
-    echo = bool(_opt_bool(body, "echo")) if not chat else False
+    echo = bool(_opt_bool(body, "echo"))
+    request_id = body.get("request_id")
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise _bad("request_id", "'request_id' must be a string")
+        check_request_id(request_id)
     truncate = _opt_int(body, "truncate_prompt_tokens", lo=1)
     tokens_as_ids = bool(_opt_bool(body, "return_tokens_as_token_ids"))
     sampling = parse_sampling(body, chat=chat)
     asked_prompt_lp = sampling.get("prompt_logprobs")
     if asked_prompt_lp is not None and stream:
         raise _bad("prompt_logprobs", "'prompt_logprobs' cannot be streamed (as in vLLM); leave 'stream' out")
-    if echo and sampling.get("logprobs") is not None:
+    if echo and not chat and sampling.get("logprobs") is not None:
         if stream:
             raise _bad("echo", "'echo' with 'logprobs' scores the prompt, which cannot be streamed; leave "
                                "'stream' out")
         # the echoed prompt's tokens get their logprobs too (OpenAI's legacy completions)
         sampling["prompt_logprobs"] = max(sampling["logprobs"], sampling.get("prompt_logprobs") or 0)
-    max_tokens = _opt_int(body, "max_tokens", lo=0 if echo else 1)
+    max_tokens = _opt_int(body, "max_tokens", lo=0 if echo and not chat else 1)
+    beam_width, length_penalty = _parse_beam(body, sampling, n=n, best_of=best_of, stream=stream, echo=echo)
     if max_tokens == 0 and stream:
         raise _bad("max_tokens", "'max_tokens' 0 (echo the prompt, generate nothing) cannot be streamed")
     max_tokens_field = "max_tokens"
@@ -493,7 +523,40 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
     return dict(model=model or None, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 max_tokens_field=max_tokens_field, n=n, best_of=best_of or n, echo=echo,
                 truncate_prompt_tokens=truncate, tokens_as_ids=tokens_as_ids, bad_words=parse_bad_words(body),
-                prompt_logprobs=asked_prompt_lp, sampling=sampling, priority=parse_priority(body.get("priority")))
+                prompt_logprobs=asked_prompt_lp, sampling=sampling, beam_width=beam_width,
+                length_penalty=length_penalty, add_special_tokens=_opt_bool(body, "add_special_tokens"),
+                request_id=request_id, return_token_ids=bool(_opt_bool(body, "return_token_ids")), priority=parse_priority(body.get("priority")))
+
+
+# What beam search reads besides n and max_tokens (vLLM's BeamSearchParams); any other sampling
+# field is refused with it rather than ignored.
+_BEAM_SAMPLING = frozenset({"ignore_eos", "skip_special_tokens", "cache_salt", "temperature"})
+
+
+def _parse_beam(body: dict, sampling: dict, *, n: int, best_of: int | None, stream: bool,
+                echo: bool) -> tuple[int, float]:
+    """vLLM's ``use_beam_search`` (``n`` beams) and ``length_penalty``: (beam width or 0, penalty)."""
+    use = bool(_opt_bool(body, "use_beam_search"))
+    penalty = _opt_number(body, "length_penalty")
+    if not use:
+        if penalty is not None and penalty != 1.0:
+            raise _bad("length_penalty", "'length_penalty' ranks beams: it needs 'use_beam_search': true")
+        return 0, 1.0
+    if penalty is not None and not -10.0 <= penalty <= 10.0:
+        raise _bad("length_penalty", f"'length_penalty' must be between -10 and 10, got {penalty}")
+    if n > MAX_BEAM_WIDTH:
+        raise _bad("n", f"beam search keeps 'n' beams, at most {MAX_BEAM_WIDTH}, got {n}")
+    for name, bad in (("stream", stream), ("echo", echo), ("best_of", best_of is not None and best_of != n)):
+        if bad:
+            raise _bad(name, f"'{name}' cannot be combined with 'use_beam_search': the beams are known only at "
+                             "the end, and there are 'n' of them")
+    if sampling.get("temperature", 0.0) != 0.0:
+        raise _bad("temperature", "beam search ranks the most likely continuations; leave 'temperature' out or 0")
+    other = sorted(set(sampling) - _BEAM_SAMPLING)
+    if other:
+        raise _bad(other[0], f"'{other[0]}' cannot be combined with 'use_beam_search' (beam search reads 'n', "
+                             "'max_tokens', 'length_penalty' and 'ignore_eos'); leave it out")
+    return n, 1.0 if penalty is None else penalty
 
 
 def parse_completion_body(body: Any) -> ParsedRequest:
@@ -585,11 +648,18 @@ def parse_chat_body(body: Any) -> ParsedRequest:
         if reserved:
             raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set '{reserved[0]}'; use the "
                                                "request field of that name")
+    if common["echo"] and (not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant"):
+        raise _bad("echo", "chat 'echo' repeats the final message when it is the assistant's (the reply continues "
+                           "it, e.g. with 'continue_final_message'); the last message here is not")
     common.update(add_generation_prompt=not cont if gen is None else gen, continue_final_message=cont,
                   chat_template_kwargs=kwargs or None)
     tools = parse_tools(body)
     grammar = tool_grammar(tools) if tools is not None else None
+    if tools is not None and common["echo"]:
+        raise _bad("echo", "chat 'echo' cannot be combined with 'tools'")
     if grammar is not None:
+        if common["beam_width"]:
+            raise _bad("tool_choice", f"tool_choice '{tools.choice}' cannot be combined with 'use_beam_search'")
         if common["sampling"].get("structured") is not None:
             raise _bad("tool_choice", f"tool_choice '{tools.choice}' and a structured output both constrain the "
                                       "reply; send one of them (or tool_choice \"none\")")

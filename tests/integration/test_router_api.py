@@ -755,3 +755,98 @@ def test_prompt_logprobs_and_echo_score_the_prompt_as_transformers_does(stack: S
                                           extra_body={"prompt_logprobs": 0}).model_dump()
     assert len(chat["prompt_logprobs"]) == len(stack.ref["chat"][0]) and chat["prompt_logprobs"][0] is None
     stack.wait_idle()
+
+
+def _reference_beams(model, prompt: list[int], width: int, steps: int, eos: set[int], penalty: float):
+    """Beam search written out on transformers' logits: what vLLM's use_beam_search computes."""
+    import torch
+
+    live, done = [([], 0.0)], []
+    for _ in range(steps):
+        cands = []
+        for toks, lp in live:
+            with torch.no_grad():
+                row = torch.log_softmax(model(torch.tensor([prompt + toks])).logits[0, -1].float(), dim=-1)
+            vals, idx = row.topk(2 * width)
+            cands += [(toks + [t], lp + v) for v, t in zip(vals.tolist(), idx.tolist())]
+        done += [c for c in cands if c[0][-1] in eos]
+        live = sorted((c for c in cands if c[0][-1] not in eos), key=lambda c: -c[1])[:width]
+        if not live:
+            break
+
+    def score(c):
+        return c[1] / ((len(prompt) + len(c[0]) - (1 if c[0][-1] in eos else 0)) ** penalty)
+
+    return [c[0] for c in sorted(done + live, key=lambda c: -score(c))[:width]]
+
+
+def test_beam_search_returns_the_n_best_beams(stack: Stack) -> None:
+    """vLLM's use_beam_search with length_penalty: the n beams a beam search over transformers'
+    logits finds, best first; every step's requests free their blocks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client = stack.client()
+    model = AutoModelForCausalLM.from_pretrained(stack.engine.config.model_dir, dtype=torch.float32)
+    ids, _ = stack.ref[PROMPTS[1]]
+    eos = set(stack.backend.model_info().eos_token_ids)
+    for width, penalty in ((3, 1.0), (2, 0.5)):
+        r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, n=width,
+                                      extra_body={"use_beam_search": True, "length_penalty": penalty}).model_dump()
+        got = [c["token_ids"] for c in r["pdserve"]["choices"]]
+        assert got == _reference_beams(model, ids, width, 5, eos, penalty)
+        assert len(r["choices"]) == width and len(set(map(tuple, got))) == width
+        assert [c["text"] for c in r["choices"]][0] == stack.tokenizer.decode(
+            [t for t in got[0] if t not in eos], skip_special_tokens=True)
+        scores = [c["cumulative_logprob"] for c in r["pdserve"]["choices"]]
+        assert all(s <= 0 for s in scores)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, n=2,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens > 0
+    for extra, param in (({"use_beam_search": True, "stream": True}, "stream"),
+                         ({"use_beam_search": True, "presence_penalty": 0.5}, "presence_penalty"),
+                         ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
+                         ({"length_penalty": 0.5}, "length_penalty")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+    stack.wait_idle()
+
+
+def test_vllm_request_fields_add_special_tokens_request_id_return_token_ids_and_chat_echo(stack: Stack) -> None:
+    client = stack.client()
+    tok = stack.tokenizer
+    with_special = tok(PROMPTS[0])["input_ids"]
+    bare = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                  extra_body={"add_special_tokens": False, "return_token_ids": True}).model_dump()
+    assert r["usage"]["prompt_tokens"] == len(bare) and r["choices"][0]["prompt_token_ids"] == bare
+    assert r["choices"][0]["token_ids"] == r["pdserve"]["token_ids"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                  extra_body={"priority": 0})   # vLLM's integer priority at its default
+    assert r.usage.prompt_tokens == len(with_special)
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPTS[0], max_tokens=2,
+                                                      extra_body={"request_id": "my-own-id-7"})
+    assert raw.headers["X-Request-Id"] == "my-own-id-7"
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert chunks[0].model_dump()["prompt_token_ids"] == stack.ref["chat"][0]
+    assert [t for c in chunks[1:] for t in c.choices[0].model_dump().get("token_ids", [])] == \
+        [t for c in chunks for t in c.model_dump().get("pdserve", {}).get("token_ids", [])]
+    partial = [*CHAT, {"role": "assistant", "content": "Red, and"}]
+    echo = {"echo": True, "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    r = client.chat.completions.create(model="tiny", messages=partial, max_tokens=3, temperature=0, extra_body=echo)
+    plain = client.chat.completions.create(model="tiny", messages=partial, max_tokens=3, temperature=0,
+                                           extra_body={k: v for k, v in echo.items() if k != "echo"})
+    assert r.choices[0].message.content == "Red, and" + plain.choices[0].message.content
+    streamed = client.chat.completions.create(model="tiny", messages=partial, max_tokens=3, temperature=0,
+                                              stream=True, extra_body=echo)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+    for extra, param in (({"echo": True}, "echo"), ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+                         ({"logits_processors": ["x"]}, "logits_processors"), ({"chat_template": "{{x}}"}, "chat_template"),
+                         ({"kv_transfer_params": {}}, "kv_transfer_params"), ({"priority": 3}, "priority"),
+                         ({"request_id": "has space"}, "request_id")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+    stack.wait_idle()

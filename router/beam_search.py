@@ -1,0 +1,77 @@
+"""Beam search (vLLM's ``use_beam_search`` with ``length_penalty``), run over the serving path.
+
+Each step asks the backend for one greedy token of every live beam with its top ``2 * width``
+logprobs, as ordinary requests of one token (so they batch in the engine like any others, and a
+beam's prompt, the request's prompt plus the beam's tokens, is read from the prefix cache: only
+the newest token is computed). Every extension of every beam is a candidate: one that ends with
+EOS is complete, the ``width`` most likely others live on. After ``max_tokens`` steps (or when no
+beam is left) the complete and live beams are ranked by ``cumulative logprob / length **
+length_penalty`` (the length counts the prompt, not the EOS), and the best ``width`` returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field, replace
+
+from pdserve.router.backend import Finished
+from pdserve.router.serving import Chunk, PreparedRequest, Serving
+from pdserve.router.validation import MAX_BEAM_WIDTH
+
+
+@dataclass(slots=True)
+class Beam:
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    logprob: float = 0.0                             # their summed logprobs
+    ended: bool = False                              # its last token is EOS
+
+    def score(self, prompt_len: int, length_penalty: float) -> float:
+        length = prompt_len + len(self.tokens) - (1 if self.ended else 0)
+        return self.logprob / (length ** length_penalty)
+
+
+@dataclass(slots=True)
+class BeamResult:
+    beams: list[Beam]
+    phases: list  # every step request's phase record (their usage, for the request log)
+
+
+async def beam_search(serving: Serving, prepared: PreparedRequest, width: int, length_penalty: float, *,
+                      eos_token_ids: frozenset[int], api: str, scope: str = "") -> BeamResult:
+    """The ``width`` best beams for ``prepared`` (its ``params.max_tokens`` and ``ignore_eos``)."""
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise ValueError(f"beam width must be 1-{MAX_BEAM_WIDTH}, got {width}")
+    p = prepared.params
+    step = replace(p, max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True, min_tokens=0)
+    prompt_len = len(prepared.prompt_token_ids)
+    live, done, phases = [Beam()], [], []
+    for _ in range(p.max_tokens):
+        tops = await asyncio.gather(*(_top_logprobs(serving, prepared, step, b, i, api, scope, phases)
+                                      for i, b in enumerate(live)))
+        candidates = [Beam([*b.tokens, tok], b.logprob + lp, not p.ignore_eos and tok in eos_token_ids)
+                      for b, top in zip(live, tops) for tok, lp in top.items()]
+        done += [c for c in candidates if c.ended]
+        live = sorted((c for c in candidates if not c.ended), key=lambda c: -c.logprob)[:width]
+        if not live:
+            break
+    ranked = sorted(done + live, key=lambda b: -b.score(prompt_len, length_penalty))
+    return BeamResult(ranked[:width], phases)
+
+
+async def _top_logprobs(serving: Serving, prepared: PreparedRequest, step, beam: Beam, index: int, api: str,
+                        scope: str, phases: list) -> dict[int, float]:
+    req = replace(prepared, request_id=uuid.uuid4().hex, params=step,
+                  prompt_token_ids=[*prepared.prompt_token_ids, *beam.tokens],
+                  client_id=f"{prepared.client_id} beam {index}" if prepared.client_id else "")
+    top: dict[int, float] = {}
+    async with serving.stream(req, api=api, scope=scope) as events:
+        async for ev in events:
+            if isinstance(ev, Finished):
+                if ev.error is not None:
+                    raise ev.error
+                phases.append(ev.phase)
+            elif isinstance(ev, Chunk) and ev.logprobs:
+                top = ev.logprobs[0]
+    # the chosen (greedy) token is in the map besides the top 2 * width: keep exactly those
+    return dict(sorted(top.items(), key=lambda kv: -kv[1])[:step.logprobs])
