@@ -53,7 +53,7 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the completion of one prompt. The first message may carry no tokens; the last
-        message (and only it) has `final` set.
+        message (and only it) has `final` set; with `n` > 1 each choice has its own last message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,14 +50,14 @@ def fork(prepared: PreparedRequest, j: int, index: int) -> PreparedRequest:
                    client_id=f"{prepared.client_id} choice {index}" if prepared.client_id else "")
 
 
-async def run_choices(serving: Serving, choices: list[ChoiceRequest], *, api: str,
-                      scope: str = "") -> AsyncIterator[tuple[int, Chunk | Finished]]:
+async def run_choices(serving: Serving, choices: list[ChoiceRequest], *, api: str, scope: str = "",
+                      deadline: float | None = None) -> AsyncIterator[tuple[int, Chunk | Finished]]:
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
 
     async def one(c: ChoiceRequest) -> None:
         try:
-            async with serving.stream(c.prepared, api=api, scope=scope) as events:
+            async with serving.stream(c.prepared, api=api, scope=scope, deadline=deadline) as events:
                 async for ev in events:
                     await queue.put((c.index, ev))
         except asyncio.CancelledError:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -28,7 +28,8 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.backend import Finished
-from pdserve.router.serving import Serving, client_scope
+from pdserve.router.choices import ChoiceRequest, fork, run_choices
+from pdserve.router.serving import Chunk, PreparedRequest, Serving, client_scope
 from pdserve.router.validation import ParsedRequest, check_request_id, max_prompt_chars, parse_generate_fields
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ _PRIORITY = {pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE, pb.PRIORITY_INTERACT
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+                      "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "n", "best_of", "cache_salt")
 
 
 class MalformedMessage:
@@ -92,6 +93,8 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
         fields["skip_special_tokens"] = s.skip_special_tokens
     if s.logit_bias:
         fields["logit_bias"] = dict(s.logit_bias)
+    if s.bad_words:
+        fields["bad_words"] = list(s.bad_words)
     # The grammar, in the fields the HTTP API reads (one parser checks both).
     structured = s.WhichOneof("structured")
     if structured == "json_schema":
@@ -169,28 +172,68 @@ class GenerationService(pb_grpc.GenerationServicer):
             if isinstance(request, MalformedMessage):
                 raise request.error()
             rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
-            prepared = await self._serving.prepare(parsed_from_proto(request), rid, default_max_tokens=16)
+            parsed = parsed_from_proto(request)
+            prepared = await self._serving.prepare(parsed, rid, default_max_tokens=16)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             # Ids are scoped per API key; without authentication every client shares one scope.
             scope = client_scope(self._metadata(context).get("authorization")) if self._auth.enabled else ""
+            if parsed.best_of > 1:
+                async for msg in self._generate_many(rid, prepared, parsed.n, parsed.best_of, deadline, scope):
+                    yield msg
+                return
             async with self._serving.stream(prepared, api="grpc", deadline=deadline, scope=scope) as events:
                 async for ev in events:
-                    if not isinstance(ev, Finished):
-                        lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
-                        yield pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text, logprobs=lps)
-                        continue
-                    if ev.error is not None:
-                        raise ev.error
-                    ph = ev.phase
-                    usage = pb.Usage(prompt_tokens=ph.prompt_tokens, cached_prompt_tokens=ph.cached_prompt_tokens,
-                                     completion_tokens=ph.output_tokens)
-                    yield pb.GenerateResponse(request_id=rid, final=pb.FinalInfo(
-                        finish_reason=_FINISH[ev.finish_reason], usage=usage, phase=_phase_message(ev.phase)))
+                    yield self._messages(rid, ev)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # every failure leaves as its status code; see router.errors
             await self._fail(context, exc)
+
+    def _messages(self, rid: str, ev: Chunk | Finished, index: int = 0) -> pb.GenerateResponse:
+        if not isinstance(ev, Finished):
+            lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
+            return pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text, logprobs=lps, index=index)
+        if ev.error is not None:
+            raise ev.error
+        ph = ev.phase
+        usage = pb.Usage(prompt_tokens=ph.prompt_tokens, cached_prompt_tokens=ph.cached_prompt_tokens,
+                         completion_tokens=ph.output_tokens)
+        return pb.GenerateResponse(request_id=rid, index=index, final=pb.FinalInfo(
+            finish_reason=_FINISH[ev.finish_reason], usage=usage, phase=_phase_message(ev.phase)))
+
+    async def _generate_many(self, rid: str, prepared: PreparedRequest, n: int, best_of: int,
+                             deadline: float | None, scope: str):
+        """``n`` choices (``router/choices.py``), streamed interleaved; with ``best_of`` > ``n`` the
+        candidates run to the end and the ``n`` most likely are sent whole, each with its final."""
+        ranked = best_of > n
+        asked = prepared.params.logprobs is not None
+        if ranked and not asked:  # the ranking needs each token's logprob
+            prepared = replace(prepared, params=replace(prepared.params, logprobs=0))
+        choices = [ChoiceRequest(j, 0, fork(prepared, j, j)) for j in range(best_of)]
+        events = run_choices(self._serving, choices, api="grpc", scope=scope, deadline=deadline)
+        try:
+            if not ranked:
+                async for index, ev in events:
+                    yield self._messages(rid, ev, index)
+                return
+            chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
+            finals: dict[int, Finished] = {}
+            async for index, ev in events:
+                if isinstance(ev, Finished):
+                    self._messages(rid, ev, index)  # raises the candidate's error
+                    finals[index] = ev
+                else:
+                    chunks[index].append(ev)
+        finally:
+            await events.aclose()
+        best = sorted(chunks, key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in
+                                                 zip(ch.token_ids, ch.logprobs or [])))[:n]
+        for rank, i in enumerate(best):
+            whole = Chunk([t for ch in chunks[i] for t in ch.token_ids], "".join(ch.text for ch in chunks[i]),
+                          [lp for ch in chunks[i] for lp in (ch.logprobs or [])] if asked else None)
+            yield self._messages(rid, whole, rank)
+            yield self._messages(rid, finals[i], rank)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:

@@ -737,8 +737,13 @@ def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids:
     if prompt_token_ids is not None and not prompt_token_ids:
         raise _bad("prompt", "'token_ids' is empty; send at least one token id")
     max_tokens = _opt_int(fields, "max_tokens", lo=1)
+    n = _opt_int(fields, "n", lo=1, hi=MAX_CHOICES) or 1
+    best_of = _opt_int(fields, "best_of", lo=1, hi=MAX_CHOICES) or n
+    if best_of < n:
+        raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
     return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
-                         max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority)
+                         max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority,
+                         n=n, best_of=best_of, bad_words=parse_bad_words(fields))
 
 
 @dataclass(frozen=True, slots=True)

@@ -344,6 +344,41 @@ def test_grpc_generate_streams_the_engines_tokens(stack: Stack) -> None:
         assert info.value.code() is grpc.StatusCode.NOT_FOUND
 
 
+def test_grpc_n_best_of_bad_words_and_cache_salt_match_the_http_api(stack: Stack) -> None:
+    """n and best_of on gRPC: the same choices the HTTP API returns for the same seeds, each
+    message naming its choice and each choice ending with its own final."""
+    client = stack.client()
+    http_n = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, max_tokens=5, temperature=1.0, seed=11,
+                                       extra_body={"ignore_eos": True}).model_dump()
+    http_best = client.completions.create(model="tiny", prompt=PROMPTS[0], best_of=3, max_tokens=5, temperature=1.0,
+                                          seed=11, extra_body={"ignore_eos": True}).model_dump()
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        msgs = list(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+            max_tokens=5, temperature=1.0, seed=11, ignore_eos=True, n=2)), timeout=30))
+        by_index: dict[int, list[int]] = {0: [], 1: []}
+        for m in msgs:
+            by_index[m.index] += list(m.token_ids)
+        assert sorted(m.index for m in msgs if m.HasField("final")) == [0, 1]
+        assert [by_index[0], by_index[1]] == [c["token_ids"] for c in http_n["pdserve"]["choices"]]
+        msgs = list(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+            max_tokens=5, temperature=1.0, seed=11, ignore_eos=True, best_of=3)), timeout=30))
+        assert len(msgs) == 2 and not msgs[0].logprobs and msgs[1].HasField("final")
+        assert list(msgs[0].token_ids) == http_best["pdserve"]["choices"][0]["token_ids"]
+        _, expected = stack.ref[PROMPTS[0]]
+        msgs = list(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+            max_tokens=3, temperature=0.0, bad_words=[stack.tokenizer.decode(expected[:1]).strip()])), timeout=30))
+        assert [t for m in msgs for t in m.token_ids][:1] != expected[:1]
+        prompt = "A salted gRPC prompt, long enough for whole blocks. " * 6
+        cached = [list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
+            max_tokens=1, cache_salt=salt)), timeout=30))[-1].final.usage.cached_prompt_tokens for salt in "xxy"]
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=3, best_of=2)), timeout=10))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "best_of" in info.value.details()
+    stack.wait_idle()
+
+
 def test_grpc_health_and_reflection(stack: Stack) -> None:
     assert_health_and_reflection(stack.grpc_target)
 
