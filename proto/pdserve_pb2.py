@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc9\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08\x12\x0e\n\x01n\x18\x17 \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x18 \x01(\rH\x0e\x88\x01\x01\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x17\n\ncache_salt\x18\x1a \x01(\tH\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\r\n\x0b_cache_salt\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xa3\x03\n\x0bPhaseRecord\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12!\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x13\n\x06ttft_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12 \n\x13\x64\x65\x63ode_tokens_per_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\r\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\tB\x17\n\x15_prefill_tokens_per_sB\t\n\x07_ttft_sB\x16\n\x14_decode_tokens_per_s\"\x86\x01\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12&\n\x05phase\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.PhaseRecord\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12\r\n\x05index\x18\x06 \x01(\r\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd7\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08\x12\x0e\n\x01n\x18\x17 \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x18 \x01(\rH\x0e\x88\x01\x01\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x17\n\ncache_salt\x18\x1a \x01(\tH\x0f\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x1b \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\r\n\x0b_cache_salt\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.PriorityB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xa3\x03\n\x0bPhaseRecord\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12!\n\x14prefill_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x13\n\x06ttft_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12 \n\x13\x64\x65\x63ode_tokens_per_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x13\n\x0bpreemptions\x18\r \x01(\r\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\tB\x17\n\x15_prefill_tokens_per_sB\t\n\x07_ttft_sB\x16\n\x14_decode_tokens_per_s\"\x86\x01\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12&\n\x05phase\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.PhaseRecord\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12\r\n\x05index\x18\x06 \x01(\r\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2396
-  _globals['_PRIORITY']._serialized_end=2478
-  _globals['_FINISHREASON']._serialized_start=2481
-  _globals['_FINISHREASON']._serialized_end=2626
+  _globals['_PRIORITY']._serialized_start=2410
+  _globals['_PRIORITY']._serialized_end=2492
+  _globals['_FINISHREASON']._serialized_start=2495
+  _globals['_FINISHREASON']._serialized_end=2640
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=1035
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=752
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=800
-  _globals['_CHOICES']._serialized_start=1037
-  _globals['_CHOICES']._serialized_end=1063
-  _globals['_GENERATEREQUEST']._serialized_start=1066
-  _globals['_GENERATEREQUEST']._serialized_end=1273
-  _globals['_TOPLOGPROB']._serialized_start=1275
-  _globals['_TOPLOGPROB']._serialized_end=1337
-  _globals['_TOKENLOGPROB']._serialized_start=1339
-  _globals['_TOKENLOGPROB']._serialized_end=1425
-  _globals['_USAGE']._serialized_start=1427
-  _globals['_USAGE']._serialized_end=1514
-  _globals['_PHASERECORD']._serialized_start=1517
-  _globals['_PHASERECORD']._serialized_end=1936
-  _globals['_FINALINFO']._serialized_start=1939
-  _globals['_FINALINFO']._serialized_end=2073
-  _globals['_GENERATERESPONSE']._serialized_start=2076
-  _globals['_GENERATERESPONSE']._serialized_end=2244
-  _globals['_LISTMODELSREQUEST']._serialized_start=2246
-  _globals['_LISTMODELSREQUEST']._serialized_end=2265
-  _globals['_MODELCARD']._serialized_start=2267
-  _globals['_MODELCARD']._serialized_end=2333
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2335
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2394
-  _globals['_GENERATION']._serialized_start=2629
-  _globals['_GENERATION']._serialized_end=2791
+  _globals['_SAMPLINGPARAMS']._serialized_end=1049
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=766
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=814
+  _globals['_CHOICES']._serialized_start=1051
+  _globals['_CHOICES']._serialized_end=1077
+  _globals['_GENERATEREQUEST']._serialized_start=1080
+  _globals['_GENERATEREQUEST']._serialized_end=1287
+  _globals['_TOPLOGPROB']._serialized_start=1289
+  _globals['_TOPLOGPROB']._serialized_end=1351
+  _globals['_TOKENLOGPROB']._serialized_start=1353
+  _globals['_TOKENLOGPROB']._serialized_end=1439
+  _globals['_USAGE']._serialized_start=1441
+  _globals['_USAGE']._serialized_end=1528
+  _globals['_PHASERECORD']._serialized_start=1531
+  _globals['_PHASERECORD']._serialized_end=1950
+  _globals['_FINALINFO']._serialized_start=1953
+  _globals['_FINALINFO']._serialized_end=2087
+  _globals['_GENERATERESPONSE']._serialized_start=2090
+  _globals['_GENERATERESPONSE']._serialized_end=2258
+  _globals['_LISTMODELSREQUEST']._serialized_start=2260
+  _globals['_LISTMODELSREQUEST']._serialized_end=2279
+  _globals['_MODELCARD']._serialized_start=2281
+  _globals['_MODELCARD']._serialized_end=2347
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2349
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2408
+  _globals['_GENERATION']._serialized_start=2643
+  _globals['_GENERATION']._serialized_end=2805
 # @@protoc_insertion_point(module_scope)

@@ -89,6 +89,7 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
         fields["stop_token_ids"] = list(s.stop_token_ids)
     fields["ignore_eos"] = s.ignore_eos
     fields["include_stop_str_in_output"] = s.include_stop_str_in_output
+    fields["echo"] = s.echo
     if s.HasField("skip_special_tokens"):
         fields["skip_special_tokens"] = s.skip_special_tokens
     if s.logit_bias:
@@ -178,11 +179,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             deadline = time.monotonic() + remaining if remaining is not None else None
             # Ids are scoped per API key; without authentication every client shares one scope.
             scope = client_scope(self._metadata(context).get("authorization")) if self._auth.enabled else ""
+            echo = ""
+            if parsed.echo:
+                echo = parsed.prompt_text if parsed.prompt_text is not None else \
+                    self._serving.tokenizer.decode(prepared.prompt_token_ids)
             if parsed.best_of > 1:
-                async for msg in self._generate_many(rid, prepared, parsed.n, parsed.best_of, deadline, scope):
+                async for msg in self._generate_many(rid, prepared, parsed.n, parsed.best_of, deadline, scope, echo):
                     yield msg
                 return
             async with self._serving.stream(prepared, api="grpc", deadline=deadline, scope=scope) as events:
+                if echo:
+                    yield pb.GenerateResponse(request_id=rid, text=echo)
                 async for ev in events:
                     yield self._messages(rid, ev)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -203,7 +210,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             finish_reason=_FINISH[ev.finish_reason], usage=usage, phase=_phase_message(ev.phase)))
 
     async def _generate_many(self, rid: str, prepared: PreparedRequest, n: int, best_of: int,
-                             deadline: float | None, scope: str):
+                             deadline: float | None, scope: str, echo: str = ""):
         """``n`` choices (``router/choices.py``), streamed interleaved; with ``best_of`` > ``n`` the
         candidates run to the end and the ``n`` most likely are sent whole, each with its final."""
         ranked = best_of > n
@@ -214,7 +221,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         events = run_choices(self._serving, choices, api="grpc", scope=scope, deadline=deadline)
         try:
             if not ranked:
+                opened: set[int] = set()
                 async for index, ev in events:
+                    if echo and index not in opened:
+                        opened.add(index)
+                        yield pb.GenerateResponse(request_id=rid, text=echo, index=index)
                     yield self._messages(rid, ev, index)
                 return
             chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
@@ -230,7 +241,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         best = sorted(chunks, key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in
                                                  zip(ch.token_ids, ch.logprobs or [])))[:n]
         for rank, i in enumerate(best):
-            whole = Chunk([t for ch in chunks[i] for t in ch.token_ids], "".join(ch.text for ch in chunks[i]),
+            whole = Chunk([t for ch in chunks[i] for t in ch.token_ids], echo + "".join(ch.text for ch in chunks[i]),
                           [lp for ch in chunks[i] for lp in (ch.logprobs or [])] if asked else None)
             yield self._messages(rid, whole, rank)
             yield self._messages(rid, finals[i], rank)

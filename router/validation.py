@@ -743,7 +743,7 @@ def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids:
         raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
     return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority,
-                         n=n, best_of=best_of, bad_words=parse_bad_words(fields))
+                         n=n, best_of=best_of, bad_words=parse_bad_words(fields), echo=bool(fields.get("echo")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -365,6 +365,12 @@ def test_grpc_n_best_of_bad_words_and_cache_salt_match_the_http_api(stack: Stack
             max_tokens=5, temperature=1.0, seed=11, ignore_eos=True, best_of=3)), timeout=30))
         assert len(msgs) == 2 and not msgs[0].logprobs and msgs[1].HasField("final")
         assert list(msgs[0].token_ids) == http_best["pdserve"]["choices"][0]["token_ids"]
+        msgs = list(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+            max_tokens=5, temperature=1.0, seed=11, ignore_eos=True, n=2, echo=True)), timeout=30))
+        for index in (0, 1):
+            mine = [m for m in msgs if m.index == index]
+            assert mine[0].text == PROMPTS[0] and not mine[0].token_ids
+            assert [t for m in mine for t in m.token_ids] == http_n["pdserve"]["choices"][index]["token_ids"]
         _, expected = stack.ref[PROMPTS[0]]
         msgs = list(stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
             max_tokens=3, temperature=0.0, bad_words=[stack.tokenizer.decode(expected[:1]).strip()])), timeout=30))
