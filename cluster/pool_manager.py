@@ -232,7 +232,8 @@ class PoolManager:
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
-                    started_at=v.started_at, queued_prompt_tokens=v.inflight_tokens,
+                    # batch prompts may wait: they do not scale the prefill pool
+                    started_at=v.started_at, queued_prompt_tokens=max(0, v.inflight_tokens - v.batch_inflight_tokens),
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
                     kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
                     itl_ms=_itl_ms(stats) if role == "decode" and stats else None,

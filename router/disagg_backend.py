@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.contract import PrefillResult, RequestPhase
 from pdserve.engine.block_manager import chain_hashes, salt_root
+from pdserve.engine.sequence import Priority
 from pdserve.engine.errors import (
     DeadlineExceededError,
     EngineStepError,
@@ -381,6 +382,8 @@ class DisaggBackend:
         # Counted as queued on P from the moment it was routed there (no await since): requests
         # routed together see each other's tokens (routing and the predicted-TTFT admission).
         p_view.inflight_tokens += len(prompt)
+        batch_tokens = len(prompt) if req.priority is Priority.BATCH else 0
+        p_view.batch_inflight_tokens += batch_tokens
         try:
             params_bytes = await self._reserve(attempt, d, len(prompt), req.deadline)
             await self._ledger_reserve(attempt, d, list(TransferParams.from_bytes(params_bytes).dst_blocks))
@@ -398,6 +401,7 @@ class DisaggBackend:
                 renewer.cancel()
         finally:
             p_view.inflight_tokens -= len(prompt)
+            p_view.batch_inflight_tokens -= batch_tokens
         if res.finish_reason in ("error", "abort"):
             own = request_error(res.error_code, res.error or "the request failed")
             if own is not None:

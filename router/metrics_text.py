@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 
 from pdserve.engine.contract import RequestRecord
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_RATE_WINDOW_S = 60.0  # batch_output_tokens_per_second averages the items that ended in this window
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -50,6 +52,7 @@ class RouterMetrics:
         self._e2e = _Histogram(_LATENCY_BUCKETS_S)
         self._itl = _Histogram(_ITL_BUCKETS_S)
         self._gauges: dict[str, Callable[[], float]] = {}
+        self._batch_ended: deque[tuple[float, int]] = deque()  # (monotonic end, output tokens) of batch items
 
     def add_gauge(self, name: str, read: Callable[[], float]) -> None:
         """A value read at scrape time (e.g. requests in flight)."""
@@ -68,6 +71,12 @@ class RouterMetrics:
             self._tokens["prompt"] += phase.prompt_tokens
             self._tokens["cached_prompt"] += phase.cached_prompt_tokens
             self._tokens["completion"] += phase.output_tokens
+            if record.api == "batch":
+                self._tokens["batch_completion"] += phase.output_tokens
+                now = time.monotonic()
+                self._batch_ended.append((now, phase.output_tokens))
+                while self._batch_ended[0][0] < now - BATCH_RATE_WINDOW_S:
+                    self._batch_ended.popleft()
             if phase.ttft_s is not None:
                 self._ttft.observe(phase.ttft_s)
             self._e2e.observe(phase.total_s)
@@ -79,9 +88,17 @@ class RouterMetrics:
         with self._lock:
             for (api, outcome), n in sorted(self._requests.items()):
                 lines.append(f'{p}requests_total{{api="{api}",outcome="{outcome}"}} {n}')
-            for kind in ("prompt", "cached_prompt", "completion"):
+            for kind in ("prompt", "cached_prompt", "completion", "batch_completion"):
                 name = f"{p}{kind}_tokens_total"
                 lines += [f"# TYPE {name} counter", f"{name} {self._tokens[kind]}"]
+            horizon = time.monotonic() - BATCH_RATE_WINDOW_S
+            while self._batch_ended and self._batch_ended[0][0] < horizon:
+                self._batch_ended.popleft()
+            rate = sum(n for _, n in self._batch_ended) / BATCH_RATE_WINDOW_S
+            name = f"{p}batch_output_tokens_per_second"
+            lines += [f"# HELP {name} Output tokens of Batch API items that ended in the last "
+                      f"{BATCH_RATE_WINDOW_S:g} s, per second: the batch's throughput on spare capacity.",
+                      f"# TYPE {name} gauge", f"{name} {rate:g}"]
             for name, hist, what in ((f"{p}time_to_first_token_seconds", self._ttft, "Time to first token."),
                                      (f"{p}request_duration_seconds", self._e2e, "End-to-end request time."),
                                      (f"{p}inter_token_latency_seconds", self._itl,

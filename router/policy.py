@@ -32,6 +32,8 @@ class WorkerView:
     # Prompt tokens the router has sent there and not yet seen finish (its own view of the queue).
     inflight_tokens: int = 0
     inflight_requests: int = 0
+    # Of inflight_tokens, those of batch-priority requests (the planner lets them wait).
+    batch_inflight_tokens: int = 0
     # Decode workers, as the router counts them: attempts there past their first token (streams
     # decoding), and prompt tokens it has sent there to prefill locally, not yet at a first token.
     decoding_requests: int = 0

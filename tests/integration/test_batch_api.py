@@ -3,7 +3,8 @@
 persistence on (its own server, so the test may restart it).
 
 Results are matched by ``custom_id`` to the same requests sent one by one; a cancel stops the
-remaining items; the runner is killed and replaced mid-batch, and Redis is restarted mid-batch,
+remaining items; the runner is killed and replaced mid-batch, a router process running a few
+hundred items is SIGKILLed and replaced, and Redis is restarted mid-batch,
 and every item is still answered exactly once.
 """
 
@@ -146,6 +147,15 @@ def test_a_batch_runs_and_matches_the_requests_sent_one_by_one(stack: Stack) -> 
         assert got["status_code"] == 200 and got["body"]["choices"][0]["text"] == alone.choices[0].text
         assert got["body"]["pdserve"]["token_ids"] == alone.pdserve["token_ids"]
     assert b.id in [x.id for x in client.batches.list(limit=100).data]
+    # the batch's tokens in the router's metrics: counted, and as a rate over the last minute
+    import urllib.request
+
+    with urllib.request.urlopen(stack.server.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["pdserve_router_batch_completion_tokens_total"] >= len(PROMPTS) * GEN
+    assert values["pdserve_router_batch_output_tokens_per_second"] >= len(PROMPTS) * GEN / 60.0
+    assert values['pdserve_router_requests_total{api="batch",outcome="length"}'] >= len(PROMPTS)
     assert stack.engine.block_manager.all_free() or wait_free(stack)
 
 
@@ -231,6 +241,60 @@ def test_router_and_redis_restarts_mid_batch_answer_every_item_once(stack: Stack
     out = results(client, done.output_file_id)
     assert set(out) == {x["custom_id"] for x in lines}     # every item, each once (results() checks)
     wait_free(stack)
+
+
+def test_a_killed_router_process_mid_batch_answers_every_item_once(stack: Stack, tiny_model) -> None:
+    """A few hundred items through a router process of their own (HTTP, batch runner and local
+    engine in one process, the batch in the test's Redis): the process is SIGKILLed mid-batch and a
+    new one started; every item is answered exactly once, with the engine's own tokens."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    script = Path(__file__).with_name("batch_router_proc.py")
+    env = dict(os.environ, BATCH_REDIS_URL=stack.redis.url, BATCH_REDIS_PASSWORD=stack.redis.password)
+
+    def start() -> tuple[subprocess.Popen, openai.OpenAI]:
+        proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), "bk"], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        return proc, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=3, timeout=30)
+
+    prompts = [f"Review {i} of the few hundred says" for i in range(240)]
+    lines = requests(prompts, "k")
+    first, client = start()
+    try:
+        b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                                  endpoint="/v1/completions", completion_window="24h")
+        end = time.monotonic() + 120
+        while client.batches.retrieve(b.id).request_counts.completed < 30:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    second, client = start()
+    try:
+        before = client.batches.retrieve(b.id).request_counts.completed
+        assert 30 <= before < len(lines)              # killed mid-batch
+        done = wait_status(client, b.id, {"completed"}, timeout_s=240)
+        assert (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
+        out = results(client, done.output_file_id)      # each custom_id once (results() checks)
+    finally:
+        second.send_signal(signal.SIGKILL)
+        second.wait(30)
+    assert set(out) == {x["custom_id"] for x in lines}
+    tok = load_tokenizer(tiny_model)
+    alone = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_num_seqs=32, warm_up=False))
+    expected = alone.generate([list(tok(p)["input_ids"]) for p in prompts],
+                              SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True))
+    for i, want in enumerate(expected):
+        assert out[f"k-{i}"]["response"]["body"]["pdserve"]["token_ids"] == want, i
 
 
 def test_without_a_store_the_batch_api_says_why(tiny_model) -> None:

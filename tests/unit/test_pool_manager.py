@@ -38,3 +38,15 @@ def test_a_scale_up_during_drains_keeps_the_draining_workers_first(tmp_path: Pat
     assert m.undrain("decode", 5) == ["decode-c"]  # asked for more than drain: the rest are new replicas
     assert m.undrain("decode", 1) == [] and replicas(m, "decode") == 3
     assert all(member.view.routable for member in m.pool.members.values())
+
+
+def test_batch_prompts_queued_on_a_prefill_worker_do_not_raise_its_planner_signal(tmp_path: Path) -> None:
+    """The planner reads a prefill worker's queue as interactive prompt tokens only: batch work may wait."""
+    m = manager(tmp_path)
+    m.pools["prefill"].handles["prefill-a"] = object()  # type: ignore[assignment]
+    m.pool.add("prefill-a", "prefill", actor=None)
+    view = m.pool.members["prefill-a"].view
+    view.started_at = 1.0
+    view.inflight_tokens, view.batch_inflight_tokens = 3000, 2500
+    by_id = {w.worker_id: w for w in m.metrics(now_wall=1000.0)}
+    assert by_id["prefill-a"].queued_prompt_tokens == 500

@@ -1,0 +1,37 @@
+"""A router process for the Batch API's kill test: a local engine (tiny model), the HTTP API on
+127.0.0.1 and the batch runner, its batches in the Redis named by the environment
+(``BATCH_REDIS_URL``, ``BATCH_REDIS_PASSWORD``: never in argv). Prints its base URL, then serves
+until it is killed.
+
+    python batch_router_proc.py MODEL_DIR NAMESPACE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+
+async def main(model_dir: str, namespace: str) -> None:
+    from pdserve.cluster.batch_store import RedisBatchStore
+    from pdserve.cluster.redis_server import connect
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.batch_api import BatchRunner
+    from pdserve.router.http_server import start_http_server
+    from pdserve.router.local_backend import LocalEngineBackend
+    from pdserve.router.serving import Serving
+
+    store = RedisBatchStore(connect(os.environ["BATCH_REDIS_URL"], password=os.environ["BATCH_REDIS_PASSWORD"]),
+                            namespace=namespace)
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, num_blocks=512, max_num_seqs=32, warm_up=False))
+    serving = Serving(LocalEngineBackend(engine, model_name="tiny"), tokenizer=load_tokenizer(model_dir))
+    server = await start_http_server(serving, batches=store)
+    print(server.base_url, flush=True)
+    await BatchRunner(serving, store, poll_s=0.05, max_concurrent=16).run()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
