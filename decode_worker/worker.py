@@ -142,7 +142,8 @@ class DecodeWorker(WorkerBase):
     def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE) -> None:
         """Prefill and decode here (conditional disaggregation / migration target)."""
-        self._loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority))
+        self._loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority),
+                        urgent=priority is Priority.INTERACTIVE)
 
     def abort(self, request_id: str, sender_dead: bool = False) -> bool:
         """End a request wherever it is. ``sender_dead``: its prefill worker's process is known to

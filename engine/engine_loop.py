@@ -58,19 +58,23 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run ``fn(engine)`` on the loop thread before the next step."""
+    def submit(self, fn: Callable[[LLMEngine], T], *, urgent: bool = False) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread before the next step. ``urgent`` (it adds an
+        interactive request): a step running only batch-priority work is cut short for it
+        (``LLMEngine.interrupt``), so the command runs within a layer's time, not a step's."""
         fut: Future[T] = Future()
         if self._stop.is_set():
             fut.set_exception(RuntimeError("the engine loop is stopped"))
             return fut
         self._commands.append((fn, fut))
+        if urgent:
+            self.engine.interrupt.set()
         self._wake.set()
         return fut
 
-    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0, *, urgent: bool = False) -> T:
         """``submit`` and wait for the result (raises what ``fn`` raised)."""
-        return self.submit(fn).result(timeout=timeout_s)
+        return self.submit(fn, urgent=urgent).result(timeout=timeout_s)
 
     def wake(self) -> None:
         self._wake.set()
@@ -79,6 +83,9 @@ class EngineLoop:
     def _run(self) -> None:
         logger.info("%s started", self._thread.name)
         while not self._stop.is_set():
+            # Cleared before the commands run: an urgent command queued from now on interrupts the
+            # next step; one queued before runs first anyway.
+            self.engine.interrupt.clear()
             self._run_commands()
             ticking = self._tick()
             if self.engine.has_unfinished():

@@ -16,13 +16,14 @@ was transferred in (``reserve`` + ``add_prefilled``) and can still prefill local
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
 from pdserve.engine.errors import EngineStepError, InvalidRequestError, OutOfBlocksError, SamplingError
-from pdserve.engine.model_runner import ForwardItem, ModelRunner
+from pdserve.engine.model_runner import ForwardItem, ModelRunner, StepInterrupted
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -143,6 +144,11 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = Sampler(config.seed)
+        # Set from another thread when an interactive request is on its way (EngineLoop.submit's
+        # urgent): a step running only batch-priority work stops between two layers and is run
+        # again later, so the new request waits for one layer instead of a whole batch step.
+        self.interrupt = threading.Event()
+        self.interrupted_steps = 0
         # A sequence may not outgrow the whole KV pool: it would preempt itself forever.
         token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
         self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit,
@@ -324,13 +330,16 @@ class LLMEngine:
         ]
         scoring = {i: c.seq for i, c in enumerate(sched.chunks)
                    if c.seq.params.prompt_logprobs is not None and _set_scoring(items[i], c.seq)}
-        if scoring:
-            logits, scores = self.runner.execute_scored(items)
-            for i, (entries, ranks) in scores.items():
-                scoring[i].prompt_lp_entries += entries
-                scoring[i].prompt_lp_ranks += ranks
-        else:
-            logits = self.runner.execute(items)
+        batch_only = all(c.seq.priority is Priority.BATCH for c in sched.chunks)
+        try:
+            logits, scores = self.runner.execute_scored(items, stop=self.interrupt.is_set if batch_only else None)
+        except StepInterrupted:
+            # Nothing was advanced: every chunk is scheduled again (its K/V rewritten, the same values).
+            self.interrupted_steps += 1
+            return outputs
+        for i, (entries, ranks) in scores.items():
+            scoring[i].prompt_lp_entries += entries
+            scoring[i].prompt_lp_ranks += ranks
         sampling = [c.seq for c in sched.chunks if c.sample]
         result = self.sampler.sample(logits, sampling) if sampling else SampleResult([], [])
         for i, seq in enumerate(sampling):  # each grammar advances by the token its mask allowed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["ForwardItem", "ModelRunner", "ModelSpec", "load_model_spec"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class StepInterrupted(Exception):
+    """``execute_scored``'s ``stop`` said so between two layers; the step's results are void."""
 
 
 @dataclass(slots=True)
@@ -124,9 +129,12 @@ class ModelRunner:
         return self.execute_scored(items)[0]
 
     @torch.inference_mode()
-    def execute_scored(self, items: list[ForwardItem]) -> tuple[torch.Tensor, dict[int, tuple[list, list]]]:
+    def execute_scored(self, items: list[ForwardItem], stop: Callable[[], bool] | None = None,
+                       ) -> tuple[torch.Tensor, dict[int, tuple[list, list]]]:
         """``execute``, plus for each item with ``score_targets`` (by its index): the logprob entries
-        (target and top alternatives) and the target's rank, one per target."""
+        (target and top alternatives) and the target's rank, one per target. ``stop`` is asked
+        between layers; when it says True the step ends with ``StepInterrupted`` (K/V written so
+        far are those the step would write again)."""
         scores: dict[int, tuple[list, list]] = {}
         if not items:
             return torch.empty(0, self.spec.vocab_size), scores
@@ -153,6 +161,8 @@ class ModelRunner:
                              f"got {int(ids.min())}..{int(ids.max())}")
         x = F.embedding(ids.to(self.device), self.weights.embed)
         for i, layer in enumerate(self.layers):
+            if stop is not None and stop():
+                raise StepInterrupted()
             x = layer.forward(x, cos, sin, plan, i)
         for i, it in enumerate(items):
             if it.score_targets:

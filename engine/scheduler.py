@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # admits a burst of batch prompts stays short, so an interactive request arriving meanwhile
 # waits for a short step, not a long one.
 BATCH_PREFILL_TOKENS_PER_STEP = 256
+# ... and while interactive sequences decode: their every step carries the batch prompt chunk,
+# and an interactive request arriving during it waits for it.
+BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE = 64
 
 
 @dataclass(slots=True)
@@ -163,7 +166,8 @@ class Scheduler:
             s.priority is Priority.INTERACTIVE and s.in_prefill for s in order)
         if pause_batch:
             order = [s for s in order if s.priority is not Priority.BATCH]
-        batch_prefill = BATCH_PREFILL_TOKENS_PER_STEP
+        interactive = any(s.priority is Priority.INTERACTIVE for s in order)
+        batch_prefill = BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE if interactive else BATCH_PREFILL_TOKENS_PER_STEP
 
         # 1) decodes, one token each.
         for seq in order:

@@ -84,7 +84,7 @@ class PrefillWorker(WorkerBase):
             self._jobs[request_id] = _Job(request_id, sender, transfer.dst_blocks, fut, self._deadline_of(transfer),
                                           num_prompt_tokens=len(prompt_token_ids))
 
-        started = self._loop.submit(start)
+        started = self._loop.submit(start, urgent=priority is Priority.INTERACTIVE)
         started.add_done_callback(lambda f: f.exception() and not fut.done() and fut.set_exception(f.exception()))
         return fut
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.contract import RequestPhase
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError, request_error
+from pdserve.engine.sequence import Priority
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class LocalEngineBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         queue: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.get_running_loop(), queue, req.deadline)
-        added = self._loop.submit(lambda _e: self._add(req, stream))
+        added = self._loop.submit(lambda _e: self._add(req, stream), urgent=req.priority is Priority.INTERACTIVE)
         added.add_done_callback(lambda fut: self._unless_added(fut, stream))
         done = False
         try:

@@ -241,3 +241,37 @@ def test_stats_tell_batch_work_apart(tiny_model, prompts) -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.stats().num_batch_seqs == 0 and engine.stats().batch_kv_usage == 0.0
+
+
+def test_an_interrupted_batch_step_is_run_again_token_identical(tiny_model, prompts, reference) -> None:
+    """An interactive arrival (``interrupt``) cuts a batch-only step short between layers; the step
+    runs again and the batch's tokens equal transformers'. A step with interactive work is never cut."""
+    from pdserve.engine.sequence import Priority
+
+    engine = make_engine(tiny_model, max_num_batched_tokens=16)
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, GREEDY, priority=Priority.BATCH)
+    n = 0
+    while engine.has_unfinished():
+        n += 1
+        if n % 3 == 0:            # mid-prefill and mid-decode steps alike
+            engine.interrupt.set()
+            assert [o for o in engine.step() if o.new_token_ids] == []
+            engine.interrupt.clear()
+            continue
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert engine.interrupted_steps == n // 3
+    assert [outs[f"b{i}"] for i in range(len(prompts))] == reference
+    assert engine.block_manager.all_free()
+    engine.add_request("inter", prompts[2], GREEDY)
+    engine.add_request("batch", prompts[3], GREEDY, priority=Priority.BATCH)
+    engine.interrupt.set()
+    got = []
+    while len(got) < MAX_TOKENS:
+        got += [o for o in engine.step() if o.request_id == "inter" for _ in o.new_token_ids]
+    assert engine.interrupted_steps == n // 3   # steps with interactive work ran whole
+    engine.interrupt.clear()
+    while engine.has_unfinished():
+        engine.step()

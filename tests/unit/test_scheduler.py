@@ -484,3 +484,24 @@ def test_without_a_prefill_budget_a_prompt_takes_the_whole_step_budget():
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 50
     run_until_done(sched)
     assert_nothing_leaked(sched)
+
+
+def test_batch_prompts_take_smaller_chunks_while_interactive_sequences_decode():
+    """Alone, a batch prompt takes up to 256 tokens a step; beside interactive decodes, 64."""
+    from pdserve.engine.scheduler import BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE, BATCH_PREFILL_TOKENS_PER_STEP
+
+    sched = make_scheduler(num_blocks=512, max_num_batched_tokens=1024, max_model_len=1024)
+    alone = make_seq(priority=BATCH, prompt_len=600, max_tokens=2)
+    sched.add(alone)
+    out, _ = fake_step(sched)
+    assert [c.num_tokens for c in out.chunks] == [BATCH_PREFILL_TOKENS_PER_STEP]
+    run_until_done(sched)
+    inter = make_seq(priority=INTERACTIVE, prompt_len=8, max_tokens=50)
+    sched.add(inter)
+    fake_step(sched)                                   # its prefill (batch work sits it out)
+    beside = make_seq(priority=BATCH, prompt_len=600, max_tokens=2)
+    sched.add(beside)
+    out, _ = fake_step(sched)
+    assert sorted(c.num_tokens for c in out.chunks) == [1, BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE]
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
