@@ -117,27 +117,32 @@ class EngineDecode:
         started: set[str] = set()
         while len(started) < self.batch:
             started.update(o.request_id for o in engine.step() if o.new_token_ids)
-        self._inner, self._exec_s = engine.runner.execute, 0.0
-        engine.runner.execute = self._timed_execute   # instance attribute shadows the method
+        # the engine's step calls ModelRunner.execute_scored (execute is its thin wrapper)
+        self._inner, self._exec_s = engine.runner.execute_scored, 0.0
+        engine.runner.execute_scored = self._timed_execute   # instance attribute shadows the method
 
-    def _timed_execute(self, items):
+    def _timed_execute(self, items, stop=None):
         t0 = time.perf_counter()
-        out = self._inner(items)
+        out = self._inner(items, stop)
         self._exec_s = time.perf_counter() - t0
         return out
 
     def step(self) -> tuple[float, float]:
-        """(step seconds, of which ModelRunner.execute seconds)."""
+        """(step seconds, of which ModelRunner.execute_scored seconds)."""
+        self._exec_s = 0.0
         t0 = time.perf_counter()
         outs = self.engine.step()
         elapsed = time.perf_counter() - t0
+        if self._exec_s <= 0.0:
+            raise RuntimeError("the model runner's timing hook saw no call: the engine's step no longer goes "
+                               "through ModelRunner.execute_scored")
         made = sum(len(o.new_token_ids) for o in outs)
         if made != self.batch or any(o.finished for o in outs):
             raise RuntimeError(f"a timed decode step made {made} tokens for a batch of {self.batch}")
         return elapsed, self._exec_s
 
     def close(self) -> None:
-        del self.engine.runner.execute
+        del self.engine.runner.execute_scored
         for rid in self.ids:
             self.engine.abort(rid)
         while self.engine.has_unfinished():
