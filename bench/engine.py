@@ -407,7 +407,12 @@ def run(args: argparse.Namespace) -> int:
     for dtype, r in result["by_dtype"].items():
         for name in ("medium", "small"):
             k = r[name]["runner"]
+            timings = k.get("fresh_prefill_timings_ms") or {}
+            fresh = k.get("fresh_prefill_attention", "?") + (
+                f" (one layer, 1024 tokens: native {timings['native']:.1f} ms, sdpa {timings['sdpa']:.1f} ms)"
+                if timings else "")
             print(f"{dtype} {name}: {k['num_threads']} threads, matmuls "
-                  f"{' '.join(f'{op}={b}' for op, b in k['kernels'].items())} ({k['kernels_source']})")
+                  f"{' '.join(f'{op}={b}' for op, b in k['kernels'].items())} ({k['kernels_source']}); "
+                  f"fresh prefill attention {fresh}")
     print(f"\nwrote {args.json} in {result['wall_s']:.0f}s")
     return 0

@@ -10,17 +10,23 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.contract import RequestPhase, RequestRecord
 
 
-def load_cli_config(config_path: str | None, model: str | None, overrides: list[str]) -> ClusterConfig:
+def load_cli_config(config_path: str | None, model: str | None, overrides: list[str], *,
+                    offline: bool = False) -> ClusterConfig:
     """The config the CLI runs: file or model, ``--set`` overrides, the environment's secrets;
-    ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS."""
+    ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS.
+    ``offline``: a config file meant for another machine (the model directory and TLS files are
+    not looked for here; the schema and the cross-field checks still run)."""
     from pdserve.cluster.config_io import (apply_env, apply_overrides, check_exposure, config_from_model,
                                            load_config)
     from pdserve.engine.errors import InvalidRequestError
 
     if bool(config_path) == bool(model):
         raise InvalidRequestError("give exactly one of -c/--config FILE or --model DIR")
+    if offline and not config_path:
+        raise InvalidRequestError("--offline checks a config file (-c FILE) written for another machine; "
+                                  "--model names a model here")
     if config_path:
-        config = load_config(config_path)
+        config = load_config(config_path, check_paths=not offline)
     else:
         from pdserve.engine.known_models import resolve_model
 
@@ -93,8 +99,10 @@ def _config(args: argparse.Namespace) -> int:
     if args.action == "schema":
         print(json.dumps(json_schema(), indent=2))
     else:
-        config = load_cli_config(args.config, args.model, args.set)
-        print(config_to_yaml(config) if args.action == "show" else "config OK")
+        config = load_cli_config(args.config, args.model, args.set, offline=args.offline)
+        print(config_to_yaml(config) if args.action == "show" else
+              "config OK (offline: the model directory and TLS files were not looked for)" if args.offline
+              else "config OK")
     return 0
 
 
@@ -159,6 +167,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="print the config schema, or check/show a config")
     p.add_argument("action", choices=["schema", "show", "check"])
     _add_config_source(p)
+    p.add_argument("--offline", action="store_true",
+                   help="a config for another machine: check its schema and cross-field rules, not its paths")
     p.set_defaults(func=_config)
 
     p = sub.add_parser("requests", help="the request log: each finished request's phase record")

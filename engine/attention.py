@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
+FRESH_PROBE_TOKENS = 1024     # the fresh prefill chunk timed at start (choose_fresh_prefill)
+FRESH_PROBE_MIN_TOKENS = 64   # a cache too small for this keeps the kernel
+FRESH_SWITCH_MARGIN = 0.1     # SDPA must be this much faster to be chosen (timing is noisy)
 
 
 @dataclass(slots=True)
@@ -36,6 +40,8 @@ class _Prefill:
     blocks: torch.Tensor     # [num_blocks_of_context] block ids
     ctx: int                 # gathered positions (block-padded)
     mask: torch.Tensor | None  # [num_tokens * group, ctx] bool, True = may attend; None: fresh chunk
+    # the C++ kernel for this one chunk: (table [1, nb], start [1], length [1], row offset [1]) int32
+    native: tuple[torch.Tensor, ...] | None = None
 
 
 class AttentionPlan:
@@ -64,6 +70,11 @@ class AttentionPlan:
             self.decode_mask = (torch.arange(nb * bs)[None, :] < ctx[:, None]).view(b, 1, 1, nb * bs).to(dev)
         self.prefills: list[_Prefill] = []
         self.native_prefill = bool(prefills) and c.native_prefill
+        # Chunks with nothing cached before them go to SDPA where it measured faster at start
+        # (PagedKVCache.fresh_prefill); the others then take the kernel one chunk at a time.
+        per_chunk = self.native_prefill and c.fresh_prefill == "sdpa" and any(s == 0 for s, _, _ in prefills)
+        if per_chunk:
+            self.native_prefill = False
         if self.native_prefill:
             # one kernel call per layer for every chunk: it reads context and chunk in place
             nb = max(-(-(start + n) // bs) for start, n, _ in prefills)
@@ -78,6 +89,12 @@ class AttentionPlan:
         row = b
         for start, n, table in prefills:
             nb = -(-(start + n) // bs)
+            if per_chunk and start > 0:
+                native = (_pad_tables([table[:nb]], nb).to(torch.int32), torch.tensor([start], dtype=torch.int32),
+                          torch.tensor([n], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+                self.prefills.append(_Prefill(row, n, torch.empty(0, dtype=torch.int64), 0, None, native))
+                row += n
+                continue
             if start == 0:
                 # Nothing cached before this chunk: attend to its own K/V, causal, with no gather.
                 self.prefills.append(_Prefill(row, n, torch.empty(0, dtype=torch.int64), 0, None))
@@ -118,6 +135,11 @@ class AttentionPlan:
                 self.prefill_lens, self.prefill_rows, c.scale))
         for p in self.prefills:
             n = p.num_tokens
+            if p.native is not None:
+                table, start, length, rows = p.native
+                outs.append(torch.ops.pdserve.paged_prefill_attention(
+                    qkv[p.row : p.row + n, : c.q_width], c.kv_cache, layer, table, start, length, rows, c.scale))
+                continue
             if p.mask is None:
                 outs.append(self._fresh_chunk(qkv[p.row : p.row + n], n))
                 continue
@@ -164,6 +186,45 @@ class PagedKVCache:
         self.native = _use_native(backend, kv_cache)
         self.native_prefill = self.native and hasattr(torch.ops.pdserve, "paged_prefill_attention")
         self.backend = "native" if self.native else "sdpa"
+        # What a prefill chunk with nothing cached before it uses: measured on this machine when
+        # both are here (choose_fresh_prefill), else the only one there is.
+        self.fresh_prefill = "native" if self.native_prefill else "sdpa"
+        self.fresh_prefill_timings_ms: dict[str, float] = {}
+
+    def choose_fresh_prefill(self, max_tokens: int = FRESH_PROBE_TOKENS, repeats: int = 3) -> str:
+        """Time the C++ prefill kernel against torch's SDPA on one fresh chunk of up to ``max_tokens``
+        (one layer, scratch blocks zeroed after) and keep the faster for fresh chunks, SDPA only when
+        it is clearly faster (``FRESH_SWITCH_MARGIN``) and agrees with the kernel. Call before any
+        request: it writes the first blocks of the cache."""
+        if not self.native_prefill:
+            return self.fresh_prefill
+        n = min(max_tokens, (self.num_blocks - 1) * self.block_size)
+        if n < FRESH_PROBE_MIN_TOKENS:
+            return self.fresh_prefill
+        gen = torch.Generator().manual_seed(0)
+        qkv = (torch.randn(n, self.q_width + 2 * self.kv_width, generator=gen) * 0.5).to(self.kv_cache.dtype)
+        table = list(range(-(-n // self.block_size)))
+        outs, best = {}, {}
+        try:
+            for choice in ("native", "sdpa", "native", "sdpa"):
+                self.fresh_prefill = choice
+                plan = self.plan([], [(0, n, table)], torch.arange(n))
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs[choice] = plan.attend(0, qkv)
+                    dt = time.perf_counter() - t0
+                    best[choice] = min(best.get(choice, dt), dt)
+        finally:
+            self.kv_cache[: len(table)].zero_()
+        tol = 2e-2 if self.kv_cache.dtype == torch.bfloat16 else 1e-3
+        scale = float(outs["native"].float().abs().max()) or 1.0
+        agree = float((outs["native"].float() - outs["sdpa"].float()).abs().max()) <= tol * scale
+        faster = best["sdpa"] * (1.0 + FRESH_SWITCH_MARGIN) < best["native"]
+        self.fresh_prefill = "sdpa" if agree and faster else "native"
+        self.fresh_prefill_timings_ms = {k: round(1e3 * v, 3) for k, v in best.items()}
+        logger.info("fresh prefill chunks (%d tokens, one layer): native %.1f ms, sdpa %.1f ms%s -> %s", n,
+                    1e3 * best["native"], 1e3 * best["sdpa"], "" if agree else " (sdpa disagrees)", self.fresh_prefill)
+        return self.fresh_prefill
 
     def plan(self, decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
              positions: torch.Tensor) -> AttentionPlan:

@@ -101,6 +101,8 @@ class ModelRunner:
                                     spec.head_dim, dtype=self.dtype, device=self.device)
         self._cache = PagedKVCache(self.kv_cache, spec.num_heads, attention_backend)
         self.attention_backend = self._cache.backend
+        if attention_backend == "auto":
+            self._cache.choose_fresh_prefill()
         logger.info("model %s loaded: %d layers, %s, %d threads, matmuls %s, %s attention, "
                     "%d KV blocks of %d bytes", spec.architecture, spec.num_layers, dtype, self.num_threads,
                     self.kernels.describe(), self.attention_backend, num_blocks, self.kv_block_bytes)
@@ -122,7 +124,8 @@ class ModelRunner:
         """What this runner resolved at start: dtype, threads, matmul kernels, attention."""
         return {"dtype": self.dtype_name, "num_threads": self.num_threads, "linear_backend": self.linear_backend,
                 "kernels": dict(self.kernels.backends), "kernels_source": self.kernels.source,
-                "attention_backend": self.attention_backend}
+                "attention_backend": self.attention_backend, "fresh_prefill_attention": self._cache.fresh_prefill,
+                "fresh_prefill_timings_ms": dict(self._cache.fresh_prefill_timings_ms)}
 
     def execute(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[number of items with sample=True, vocab]``."""

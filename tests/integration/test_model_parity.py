@@ -141,6 +141,35 @@ def test_fp32_llama_other_kernels_match_transformers(linear, attention):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fresh", ["native", "sdpa"])
+def test_fp32_fresh_prefill_chunks_either_way_match_transformers(fresh):
+    """Fresh prefill chunks (nothing cached before them) take whichever of the C++ kernel and SDPA
+    measured faster at start; both paths stay exact, including SDPA for fresh chunks beside kernel
+    calls, one chunk at a time, for chunks that continue a prompt in the same step."""
+    model_dir = ensure_model("tiny")
+    hf = _hf(model_dir)
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=64, num_threads=1)
+    assert runner.describe()["fresh_prefill_attention"] in ("native", "sdpa")
+    assert runner.describe()["fresh_prefill_timings_ms"].keys() == {"native", "sdpa"}
+    assert float(runner.kv_cache.abs().max()) == 0.0        # the start-up probe left no trace
+    runner._cache.fresh_prefill = fresh
+    rows = 0
+    for ours, ref, _ in run_scenario(runner, hf):
+        scale, diff = float(ref.abs().max()), float((ours - ref).abs().max())
+        assert diff <= 1e-4 * scale, f"fresh={fresh}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
+        rows += 1
+    assert rows == len(PROMPTS) * 6
+    # one step holding a chunk that continues a prompt and a fresh prompt: SDPA for the fresh one
+    # and the kernel for the other, in their rows' order
+    a, c = list(range(3, 40)), list(range(50, 71))
+    runner.execute([ForwardItem(a[:13], 0, [10, 11, 12, 13, 14], False)])
+    got = runner.execute([ForwardItem(a[13:], 13, [10, 11, 12, 13, 14], True), ForwardItem(c, 0, [20, 21, 22], True)])
+    for row, seq in zip(got, (a, c)):
+        ref = _reference(hf, seq)
+        assert float((row - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+@pytest.mark.slow
 def test_llama3_scaling_changes_logits():
     """Guards the llama3 parity test: with scaling ignored, logits would differ."""
     plain = ModelRunner(ensure_model("tiny"), block_size=BLOCK, num_blocks=16)

@@ -116,3 +116,22 @@ def test_overrides_reach_the_head_through_a_0600_file_it_deletes(tmp_path: Path,
     assert handoff.parent == tmp_path / "state" and mode(handoff) == 0o600 and mode(handoff.parent) == 0o700
     assert launcher.take_overrides(handoff) == overrides
     assert not handoff.exists()
+
+
+# ------------------------------------------------------------------ config check --offline
+def test_config_check_offline_checks_a_config_written_for_another_machine(tmp_path: Path, no_env, capsys,
+                                                                          monkeypatch) -> None:
+    """The k8s overlay's config names /models/llama, which is not on this machine: --offline checks
+    everything else; without it the missing directory is the error."""
+    monkeypatch.setenv("PDSERVE_API_KEYS", KEY)   # what the overlay's Secret gives its pods
+    overlay = Path(__file__).resolve().parents[2] / "k8s" / "overlays" / "cpu-dev" / "cluster.yaml"
+    assert main(["config", "check", "-c", str(overlay)]) != 0
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["config", "check", "--offline", "-c", str(overlay)]) == 0
+    assert "config OK (offline" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(overlay.read_text().replace("max_num_seqs:", "max_num_seqz:", 1))
+    assert main(["config", "check", "--offline", "-c", str(bad)]) != 0
+    assert "max_num_seqz" in capsys.readouterr().err
+    assert main(["config", "check", "--offline", "--model", str(tmp_path)]) != 0
+    assert "--offline checks a config file" in capsys.readouterr().err
