@@ -162,9 +162,11 @@ class RouterService:
         if self.redis_client is not None:  # the Batch API keeps its files, batches and results in Redis
             self.batch_store = RedisBatchStore(self.redis_client, namespace=self.redis_namespace)
             self.batch_runner = BatchRunner(self.serving, self.batch_store)
-            self.serving.metrics.add_gauge("batch_items_running", lambda: self.batch_runner.running)
+            self.serving.metrics.add_gauge("batch_items_running", lambda: self.batch_runner.running,
+                                           "Batch API items running now.")
             self.serving.metrics.add_gauge("batch_items_pending", lambda: sum(
-                b["total"] - b["completed"] - b["failed"] for b in self.batch_runner.snapshot))
+                b["total"] - b["completed"] - b["failed"] for b in self.batch_runner.snapshot),
+                "Items of running batches without a result yet.")
         http = await start_http_server(
             self.serving, host=r.host, port=r.http_port, auth=auth, max_body_bytes=r.max_request_bytes,
             body_timeout_s=r.body_timeout_s, batches=self.batch_store,

@@ -1,7 +1,7 @@
 """The router's counters, served as Prometheus text on ``/metrics``.
 
-Labels stay low-cardinality: ``api`` (http | grpc) and ``outcome`` (a finish reason or an
-error type). ``Serving`` hands it every request's ``RequestRecord`` (it is the first
+Labels stay low-cardinality: ``model`` (the served name) on every sample, ``api`` (http | grpc |
+batch) and ``outcome`` (a finish reason or an error type). Every family has HELP and TYPE. ``Serving`` hands it every request's ``RequestRecord`` (it is the first
 ``RequestObserver``); ``render`` writes the exposition format.
 """
 
@@ -32,31 +32,47 @@ class _Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str) -> list[str]:
         out, running = [], 0
         for bound, n in zip(self.buckets, self.counts):
             running += n
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {self.sum:.6f}")
-        out.append(f"{name}_count {self.count}")
+            out.append(f'{name}_bucket{{{labels},le="{bound:g}"}} {running}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum{{{labels}}} {self.sum:.6f}")
+        out.append(f"{name}_count{{{labels}}} {self.count}")
         return out
 
 
+_TOKEN_HELP = {
+    "prompt": "Prompt tokens of completed requests.",
+    "cached_prompt": "Prompt tokens of completed requests whose KV came from the prefix cache.",
+    "completion": "Output tokens of completed requests.",
+    "batch_completion": "Output tokens of completed Batch API items (spare-capacity work).",
+}
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
+        self.model = model   # the served model's name: the ``model`` label of every sample
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str]] = Counter()
         self._tokens: Counter[str] = Counter()
         self._ttft = _Histogram(_LATENCY_BUCKETS_S)
         self._e2e = _Histogram(_LATENCY_BUCKETS_S)
         self._itl = _Histogram(_ITL_BUCKETS_S)
-        self._gauges: dict[str, Callable[[], float]] = {}
+        self._gauges: dict[str, tuple[Callable[[], float], str, str]] = {}
         self._batch_ended: deque[tuple[float, int]] = deque()  # (monotonic end, output tokens) of batch items
 
-    def add_gauge(self, name: str, read: Callable[[], float]) -> None:
-        """A value read at scrape time (e.g. requests in flight)."""
-        self._gauges[name] = read
+    def add_gauge(self, name: str, read: Callable[[], float], help_text: str, kind: str = "gauge") -> None:
+        """A value read at scrape time (e.g. requests in flight); ``kind`` "counter" for a total
+        kept elsewhere (e.g. admission's rejections)."""
+        if kind not in ("gauge", "counter"):
+            raise ValueError(f"kind must be 'gauge' or 'counter', got {kind!r}")
+        self._gauges[name] = (read, help_text, kind)
 
     def request_ended(self, record: RequestRecord) -> None:
         """Count the request by API and outcome; a request that completed (its phase is known and it
@@ -83,14 +99,16 @@ class RouterMetrics:
 
     def render(self) -> str:
         p = "pdserve_router_"
+        m = f'model="{_label_value(self.model)}"'
         lines = [f"# HELP {p}requests_total Requests finished, by API and outcome.",
                  f"# TYPE {p}requests_total counter"]
         with self._lock:
             for (api, outcome), n in sorted(self._requests.items()):
-                lines.append(f'{p}requests_total{{api="{api}",outcome="{outcome}"}} {n}')
+                lines.append(f'{p}requests_total{{{m},api="{api}",outcome="{outcome}"}} {n}')
             for kind in ("prompt", "cached_prompt", "completion", "batch_completion"):
                 name = f"{p}{kind}_tokens_total"
-                lines += [f"# TYPE {name} counter", f"{name} {self._tokens[kind]}"]
+                lines += [f"# HELP {name} {_TOKEN_HELP[kind]}", f"# TYPE {name} counter",
+                          f"{name}{{{m}}} {self._tokens[kind]}"]
             horizon = time.monotonic() - BATCH_RATE_WINDOW_S
             while self._batch_ended and self._batch_ended[0][0] < horizon:
                 self._batch_ended.popleft()
@@ -98,12 +116,12 @@ class RouterMetrics:
             name = f"{p}batch_output_tokens_per_second"
             lines += [f"# HELP {name} Output tokens of Batch API items that ended in the last "
                       f"{BATCH_RATE_WINDOW_S:g} s, per second: the batch's throughput on spare capacity.",
-                      f"# TYPE {name} gauge", f"{name} {rate:g}"]
+                      f"# TYPE {name} gauge", f"{name}{{{m}}} {rate:g}"]
             for name, hist, what in ((f"{p}time_to_first_token_seconds", self._ttft, "Time to first token."),
                                      (f"{p}request_duration_seconds", self._e2e, "End-to-end request time."),
                                      (f"{p}inter_token_latency_seconds", self._itl,
                                       "Gap between consecutive token chunks of one stream, as the router sends them.")):
-                lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"] + hist.lines(name)
-        for name, read in sorted(self._gauges.items()):
-            lines += [f"# TYPE {p}{name} gauge", f"{p}{name} {read():g}"]
+                lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"] + hist.lines(name, m)
+        for name, (read, help_text, kind) in sorted(self._gauges.items()):
+            lines += [f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} {kind}", f"{p}{name}{{{m}}} {read():g}"]
         return "\n".join(lines) + "\n"

@@ -97,16 +97,20 @@ class Serving:
         self.admission = admission or Admission()
         self.limits = limits or ServingLimits()
         self._live_ids: dict[tuple[str, str], str] = {}  # (scope, client id) -> server id, in flight
-        self.metrics = metrics or RouterMetrics()
+        self.metrics = metrics or RouterMetrics(model=self.info.name)
         self.observers: list[RequestObserver] = [self.metrics, *observers]
         if tokenizer is None:
             from pdserve.engine.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(self.info.tokenizer_dir)
         self.tokenizer = tokenizer
-        self.metrics.add_gauge("requests_in_flight", lambda: self.admission.in_flight)
-        self.metrics.add_gauge("requests_queued", lambda: self.admission.queued)
-        self.metrics.add_gauge("requests_rejected_total", lambda: self.admission.rejected_total)
+        self.metrics.add_gauge("requests_in_flight", lambda: self.admission.in_flight,
+                               "Requests admitted and not yet finished.")
+        self.metrics.add_gauge("requests_queued", lambda: self.admission.queued,
+                               "Requests waiting for an admission slot.")
+        self.metrics.add_gauge("requests_rejected_total", lambda: self.admission.rejected_total,
+                               "Requests refused with 429 (admission full or the predicted TTFT over its limit).",
+                               kind="counter")
 
     # ----------------------------------------------------------------- prepare
     def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -30,7 +30,7 @@ def cluster(tiny_model, ray_session, redis_server):
 
 def _itl_count(cluster: ClusterHarness) -> int:
     text = requests.get(cluster.http_url + "/metrics", timeout=10).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("pdserve_router_inter_token_latency_seconds_count"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("pdserve_router_inter_token_latency_seconds_count{"))
     return int(float(line.split()[-1]))
 
 
