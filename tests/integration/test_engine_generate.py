@@ -275,3 +275,19 @@ def test_an_interrupted_batch_step_is_run_again_token_identical(tiny_model, prom
     engine.interrupt.clear()
     while engine.has_unfinished():
         engine.step()
+
+
+def test_repetition_penalty_matches_transformers_logits_processor(tiny_model, hf_model, prompts) -> None:
+    """repetition_penalty changes the greedy text exactly as transformers' RepetitionPenaltyLogitsProcessor
+    does on the same logits (prompt and output tokens both penalised)."""
+    engine = make_engine(tiny_model)
+    plain = engine.generate(prompts[1:4], GREEDY)
+    for penalty in (1.8, 0.3):   # above 1 discourages seen tokens, below 1 encourages them
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+        ours = engine.generate(prompts[1:4], params)
+        with torch.no_grad():
+            for p, got in zip(prompts[1:4], ours):
+                ids = hf_model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                        do_sample=False, repetition_penalty=penalty, pad_token_id=0)
+                assert got == ids[0, len(p):].tolist(), penalty
+    assert ours != plain   # the penalty did change the text (0.3 makes the model repeat what it has seen)

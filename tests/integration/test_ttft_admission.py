@@ -48,6 +48,10 @@ def test_a_burst_over_the_predicted_ttft_limit_is_refused_at_once(cluster: Clust
     prefill = cluster.members("prefill")[0]
     wait_until(lambda: prefill.view.prefill_tokens_per_s is not None, 10.0, "a measured prefill rate")
     backend = cluster.service.backend
+    assert backend.max_predicted_ttft_s == LIMIT_S           # the config reached the router
+    # The limit the burst meets is set from this host's measured rate: about three prompts' worth,
+    # so that some fit and the rest do not on a fast host and a slow one alike.
+    backend.max_predicted_ttft_s = 3.5 * PROMPT_LEN / prefill.view.prefill_tokens_per_s
     refused_before = backend.ttft_refusals
     with concurrent.futures.ThreadPoolExecutor(PROMPTS) as pool:
         results = list(pool.map(lambda p: _post(cluster, p), prompts[:PROMPTS]))
