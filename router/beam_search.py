@@ -31,23 +31,17 @@ class Beam:
         return self.logprob / (length ** length_penalty)
 
 
-@dataclass(slots=True)
-class BeamResult:
-    beams: list[Beam]
-    phases: list  # every step request's phase record (their usage, for the request log)
-
-
 async def beam_search(serving: Serving, prepared: PreparedRequest, width: int, length_penalty: float, *,
-                      eos_token_ids: frozenset[int], api: str, scope: str = "") -> BeamResult:
+                      eos_token_ids: frozenset[int], api: str, scope: str = "") -> list[Beam]:
     """The ``width`` best beams for ``prepared`` (its ``params.max_tokens`` and ``ignore_eos``)."""
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam width must be 1-{MAX_BEAM_WIDTH}, got {width}")
     p = prepared.params
     step = replace(p, max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True, min_tokens=0)
     prompt_len = len(prepared.prompt_token_ids)
-    live, done, phases = [Beam()], [], []
+    live, done = [Beam()], []
     for _ in range(p.max_tokens):
-        tops = await asyncio.gather(*(_top_logprobs(serving, prepared, step, b, i, api, scope, phases)
+        tops = await asyncio.gather(*(_top_logprobs(serving, prepared, step, b, i, api, scope)
                                       for i, b in enumerate(live)))
         candidates = [Beam([*b.tokens, tok], b.logprob + lp, not p.ignore_eos and tok in eos_token_ids)
                       for b, top in zip(live, tops) for tok, lp in top.items()]
@@ -56,11 +50,11 @@ async def beam_search(serving: Serving, prepared: PreparedRequest, width: int, l
         if not live:
             break
     ranked = sorted(done + live, key=lambda b: -b.score(prompt_len, length_penalty))
-    return BeamResult(ranked[:width], phases)
+    return ranked[:width]
 
 
 async def _top_logprobs(serving: Serving, prepared: PreparedRequest, step, beam: Beam, index: int, api: str,
-                        scope: str, phases: list) -> dict[int, float]:
+                        scope: str) -> dict[int, float]:
     req = replace(prepared, request_id=uuid.uuid4().hex, params=step,
                   prompt_token_ids=[*prepared.prompt_token_ids, *beam.tokens],
                   client_id=f"{prepared.client_id} beam {index}" if prepared.client_id else "")
@@ -70,7 +64,6 @@ async def _top_logprobs(serving: Serving, prepared: PreparedRequest, step, beam:
             if isinstance(ev, Finished):
                 if ev.error is not None:
                     raise ev.error
-                phases.append(ev.phase)
             elif isinstance(ev, Chunk) and ev.logprobs:
                 top = ev.logprobs[0]
     # the chosen (greedy) token is in the map besides the top 2 * width: keep exactly those

@@ -191,13 +191,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if echo:
                     yield pb.GenerateResponse(request_id=rid, text=echo)
                 async for ev in events:
-                    yield self._messages(rid, ev)
+                    yield self._message(rid, ev)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # every failure leaves as its status code; see router.errors
             await self._fail(context, exc)
 
-    def _messages(self, rid: str, ev: Chunk | Finished, index: int = 0) -> pb.GenerateResponse:
+    def _message(self, rid: str, ev: Chunk | Finished, index: int = 0) -> pb.GenerateResponse:
         if not isinstance(ev, Finished):
             lps = _logprob_messages(self._serving.tokenizer, ev.token_ids, ev.logprobs)
             return pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text, logprobs=lps, index=index)
@@ -226,13 +226,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if echo and index not in opened:
                         opened.add(index)
                         yield pb.GenerateResponse(request_id=rid, text=echo, index=index)
-                    yield self._messages(rid, ev, index)
+                    yield self._message(rid, ev, index)
                 return
             chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
             finals: dict[int, Finished] = {}
             async for index, ev in events:
                 if isinstance(ev, Finished):
-                    self._messages(rid, ev, index)  # raises the candidate's error
+                    if ev.error is not None:
+                        raise ev.error
                     finals[index] = ev
                 else:
                     chunks[index].append(ev)
@@ -243,8 +244,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         for rank, i in enumerate(best):
             whole = Chunk([t for ch in chunks[i] for t in ch.token_ids], echo + "".join(ch.text for ch in chunks[i]),
                           [lp for ch in chunks[i] for lp in (ch.logprobs or [])] if asked else None)
-            yield self._messages(rid, whole, rank)
-            yield self._messages(rid, finals[i], rank)
+            yield self._message(rid, whole, rank)
+            yield self._message(rid, finals[i], rank)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:

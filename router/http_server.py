@@ -234,10 +234,10 @@ async def _generate_beams(request: web.Request, parsed: list[ParsedRequest], *, 
     out_choices, extras, prompt_tokens, completion = [], [], 0, 0
     for g, p in enumerate(parsed):
         prepared = await serving.prepare(p, client_id, default_max_tokens=None if chat else 16)
-        result = await beam_search(serving, prepared, p.beam_width, p.length_penalty, eos_token_ids=eos,
-                                   api="http", scope=scope)
+        beams = await beam_search(serving, prepared, p.beam_width, p.length_penalty, eos_token_ids=eos,
+                                  api="http", scope=scope)
         prompt_tokens += len(prepared.prompt_token_ids)
-        for rank, beam in enumerate(result.beams):
+        for rank, beam in enumerate(beams):
             tokens = beam.tokens[:-1] if beam.ended else beam.tokens
             text = serving.tokenizer.decode(tokens, skip_special_tokens=prepared.params.skip_special_tokens)
             index = g * p.beam_width + rank

@@ -105,6 +105,18 @@ def requests(prompts: list[str], tag: str) -> list[dict]:
             for i, p in enumerate(prompts)]
 
 
+def submit(client: openai.OpenAI, lines: list[dict]):
+    return client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                                 endpoint="/v1/completions", completion_window="24h")
+
+
+def wait_completed(client: openai.OpenAI, batch_id: str, count: int, end: float) -> None:
+    """Until ``count`` items of the batch have a result (by the monotonic instant ``end``)."""
+    while client.batches.retrieve(batch_id).request_counts.completed < count:
+        assert time.monotonic() < end, f"batch {batch_id}: fewer than {count} results in time"
+        time.sleep(0.05)
+
+
 def wait_status(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 120.0):
     end = time.monotonic() + timeout_s
     while True:
@@ -202,12 +214,8 @@ def test_bad_lines_fail_the_batch_naming_each_line(stack: Stack) -> None:
 def test_cancel_stops_the_remaining_items(stack: Stack) -> None:
     client = stack.openai()
     lines = [dict(x, body=dict(x["body"], max_tokens=60)) for x in requests(PROMPTS * 3, "c")]
-    b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
-                              endpoint="/v1/completions", completion_window="24h")
-    end = time.monotonic() + 60
-    while client.batches.retrieve(b.id).request_counts.completed < 3:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    b = submit(client, lines)
+    wait_completed(client, b.id, 3, time.monotonic() + 60)
     assert client.batches.cancel(b.id).status == "cancelling"
     done = wait_status(client, b.id, {"cancelled"})
     out, errs = results(client, done.output_file_id), results(client, done.error_file_id)
@@ -222,19 +230,14 @@ def test_cancel_stops_the_remaining_items(stack: Stack) -> None:
 def test_router_and_redis_restarts_mid_batch_answer_every_item_once(stack: Stack) -> None:
     client = stack.openai()
     lines = [dict(x, body=dict(x["body"], max_tokens=24)) for x in requests(PROMPTS * 2, "r")]
-    b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
-                              endpoint="/v1/completions", completion_window="24h")
+    b = submit(client, lines)
     end = time.monotonic() + 60
-    while client.batches.retrieve(b.id).request_counts.completed < 5:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_completed(client, b.id, 5, end)
     stack.kill_runner()           # the router dies mid-batch ...
     before = client.batches.retrieve(b.id).request_counts.completed
     assert before < len(lines)
     stack.start_runner()          # ... and a new one picks up what has no result
-    while client.batches.retrieve(b.id).request_counts.completed < before + 5:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_completed(client, b.id, before + 5, end)
     stack.redis.restart()         # Redis restarts mid-batch (AOF on): the runner waits and goes on
     done = wait_status(client, b.id, {"completed"})
     assert (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
@@ -269,12 +272,8 @@ def test_a_killed_router_process_mid_batch_answers_every_item_once(stack: Stack,
     lines = requests(prompts, "k")
     first, client = start()
     try:
-        b = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
-                                  endpoint="/v1/completions", completion_window="24h")
-        end = time.monotonic() + 120
-        while client.batches.retrieve(b.id).request_counts.completed < 30:
-            assert time.monotonic() < end
-            time.sleep(0.05)
+        b = submit(client, lines)
+        wait_completed(client, b.id, 30, time.monotonic() + 120)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)

@@ -74,6 +74,16 @@ def run_scenario(runner: ModelRunner, hf, decode_steps: int = 5, seed: int = 0):
                 row += 1
 
 
+def assert_scenario_exact(runner: ModelRunner, hf, label: str) -> None:
+    """Every row of the scenario within 1e-4 of transformers' logits (relative to their scale)."""
+    rows = 0
+    for ours, ref, _ in run_scenario(runner, hf):
+        scale, diff = float(ref.abs().max()), float((ours - ref).abs().max())
+        assert diff <= 1e-4 * scale, f"{label}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
+        rows += 1
+    assert rows == len(PROMPTS) * 6  # one prefill row + 5 decode rows per sequence
+
+
 def _as_mistral(src, dst):
     """The tiny llama checkpoint relabelled as MistralForCausalLM (same tensors and shapes)."""
     shutil.copytree(src, dst)
@@ -132,12 +142,7 @@ def test_fp32_llama_other_kernels_match_transformers(linear, attention):
     assert runner.linear_backend == linear
     if attention == "sdpa":
         assert runner.attention_backend == "sdpa"
-    rows = 0
-    for ours, ref, _ in run_scenario(runner, hf):
-        scale, diff = float(ref.abs().max()), float((ours - ref).abs().max())
-        assert diff <= 1e-4 * scale, f"{linear}/{attention}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
-        rows += 1
-    assert rows == len(PROMPTS) * 6
+    assert_scenario_exact(runner, hf, f"{linear}/{attention}")
 
 
 @pytest.mark.slow
@@ -153,12 +158,7 @@ def test_fp32_fresh_prefill_chunks_either_way_match_transformers(fresh):
     assert runner.describe()["fresh_prefill_timings_ms"].keys() == {"native", "sdpa"}
     assert float(runner.kv_cache.abs().max()) == 0.0        # the start-up probe left no trace
     runner._cache.fresh_prefill = fresh
-    rows = 0
-    for ours, ref, _ in run_scenario(runner, hf):
-        scale, diff = float(ref.abs().max()), float((ours - ref).abs().max())
-        assert diff <= 1e-4 * scale, f"fresh={fresh}: max |diff| {diff:.3g} at logit scale {scale:.3g}"
-        rows += 1
-    assert rows == len(PROMPTS) * 6
+    assert_scenario_exact(runner, hf, f"fresh={fresh}")
     # one step holding a chunk that continues a prompt and a fresh prompt: SDPA for the fresh one
     # and the kernel for the other, in their rows' order
     a, c = list(range(3, 40)), list(range(50, 71))
