@@ -16,7 +16,8 @@ end-to-end latency (p50/p90/p99/max), stalls, goodput at ``--ttft-slo-s``/``--it
 client's own CPU time (it shares the cores with the server).
 
 With ``--servers`` (or ``--scenario peers``: pdserve colocated, pdserve disaggregated and vLLM on
-CPU) every round starts each server in turn on 127.0.0.1, warms it up, runs the load with that
+CPU) every server computes in one dtype: pdserve's ``model.dtype`` (``auto`` resolved by the workers'
+probe on this host), given to vLLM as ``--dtype``. Every round starts each server in turn on 127.0.0.1, warms it up, runs the load with that
 round's prompts (the same for every server; another seed each round, so no round hits the prefix
 cache of an earlier one) and stops it. ``vs_vllm_*`` figures are pdserve's divided by vLLM's, per
 round, then the median over rounds. A server that cannot start is recorded with the reason.
@@ -269,6 +270,8 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
 
         model_dir = str(ensure_model("small"))
     vocab = _vocab_size(model_dir)
+    dtype = _pdserve_dtype(args.set or [])
+    print(f"host {cpu_model()}: every server computes in {dtype} (vLLM with --dtype {dtype})", flush=True)
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     records: dict[str, list] = {k: [] for k in kinds}
     sweeps: dict[str, list[dict]] = {}
@@ -281,7 +284,7 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
                 continue
             for attempt in (1, 2):  # a start can fail while the previous server's ports are still closing
                 server = Server(kind, model_dir, port=args.port, vllm_venv=Path(args.vllm_venv),
-                                extra_set=list(args.set or []))
+                                extra_set=list(args.set or []), vllm_dtype=dtype)
                 try:
                     with server:
                         _warm(args, server.url, server.served_model, vocab)
@@ -310,12 +313,21 @@ def run_servers(args: argparse.Namespace, kinds: list[str]) -> dict:
                              "itl_p99_ms": _median([r["itl_ms"]["p99"] for r in rs]),
                              "client_cpu_s": _median([r["client_cpu_s"] for r in rs])}
     return {"benchmark": "serve", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "host": cpu_model(), "model_dir": model_dir, "servers": kinds, "rounds": args.rounds,
+            "host": cpu_model(), "model_dir": model_dir, "servers": kinds, "rounds": args.rounds, "dtype": dtype,
             "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "concurrency": None if args.rate else (args.concurrency or args.num_prompts), "rate": args.rate},
             "runs": runs, "summary": summary, "ratios": {**_ratios(runs, args.rounds), **_sweep_ratios(sweeps)},
             "sweeps": sweeps, "unavailable": unavailable, "wall_s": round(time.monotonic() - started, 1),
             "_records": records}
+
+
+def _pdserve_dtype(sets: list[str]) -> str:
+    """The dtype pdserve computes in for these ``--set``s (``auto`` resolved by the same probe the
+    workers run): every server of a comparison runs in it, vLLM through its ``--dtype``."""
+    from pdserve.engine.dtype_probe import resolve_dtype
+
+    requested = next((s.partition("=")[2] for s in reversed(sets) if s.partition("=")[0] == "model.dtype"), "auto")
+    return resolve_dtype(requested)
 
 
 def _sweep(args: argparse.Namespace, url: str, model: str, vocab: int, seed: int, label: str) -> list[dict]:

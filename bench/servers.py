@@ -75,6 +75,7 @@ class Server:
     port: int = 8000
     vllm_venv: Path = Path(".cache/vllm-venv")
     extra_set: list[str] = field(default_factory=list)
+    vllm_dtype: str | None = None   # vLLM's --dtype; None: its own default (bf16 for a float32 checkpoint on CPU)
     log_dir: Path = Path("bench-results/logs")
     start_timeout_s: float = 300.0
     _proc: subprocess.Popen | None = None
@@ -135,7 +136,8 @@ class Server:
         log = open(self.log_dir / f"vllm-{self.port}.log", "w")
         self._proc = subprocess.Popen(
             [str(py), str(shim), "serve", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-             "--max-model-len", "2048", "--served-model-name", Path(self.model_dir).name],
+             "--max-model-len", "2048", "--served-model-name", Path(self.model_dir).name,
+             *(["--dtype", self.vllm_dtype] if self.vllm_dtype else [])],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait_http(self.url + "/v1/models", self._proc, self.start_timeout_s)
 

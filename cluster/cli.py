@@ -106,6 +106,14 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_model(args: argparse.Namespace) -> int:
+    from pdserve.cluster.model_fetch import prepare_model
+
+    # the model directory may not exist yet: that is what this command is for
+    print(prepare_model(load_cli_config(args.config, None, args.set, offline=True)), flush=True)
+    return 0
+
+
 def _requests(args: argparse.Namespace) -> int:
     from pdserve.cluster import launcher
     from pdserve.cluster.request_log import RequestLog
@@ -170,6 +178,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offline", action="store_true",
                    help="a config for another machine: check its schema and cross-field rules, not its paths")
     p.set_defaults(func=_config)
+
+    p = sub.add_parser("prepare-model", help="check model.path holds a complete checkpoint, or download "
+                       "model.hub's pinned revision into it (Kubernetes init containers)")
+    p.add_argument("-c", "--config", required=True, help="cluster config YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=_prepare_model)
 
     p = sub.add_parser("requests", help="the request log: each finished request's phase record")
     p.add_argument("action", choices=["tail"])

@@ -78,6 +78,14 @@ def _check_secret(value: SecretStr | None, what: str, forbidden: str = "") -> Se
     return value
 
 
+class HubModel(_Settings):
+    id: str = Field(min_length=3, pattern=r"^[\w.-]+/[\w.-]+$", description="Hugging Face repository id "
+                    "(owner/name) that `pdserve prepare-model` downloads into model.path when that holds no "
+                    "checkpoint (the k8s init containers run it). Nothing else downloads.")
+    revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="The commit to download (40 hex digits): "
+                          "pinned, so every pod serves the same weights.")
+
+
 class ModelSettings(_Settings):
     path: Path = Field(description="Local Hugging Face model directory (config.json, *.safetensors, "
                        "tokenizer). Relative paths are resolved against the config file's directory.")
@@ -89,6 +97,8 @@ class ModelSettings(_Settings):
                                                           "otherwise; bfloat16 on CUDA.")
     max_model_len: int | None = Field(None, ge=2, description="Longest sequence (prompt + output) "
                                       "accepted; default: the checkpoint's max_position_embeddings.")
+    hub: HubModel | None = Field(None, description="Where `pdserve prepare-model` fetches the checkpoint "
+                                 "from when model.path lacks it; unset: it must be there already.")
 
     _resolve_path = field_validator("path")(_absolute)
 
@@ -125,8 +135,10 @@ class EngineSettings(_Settings):
         "linears and gemv (the C++ kernel of `make setup` for calls of <= 8 rows, dense above) on the "
         "model's shapes at start and keeps the fastest that agrees with float32, per call, cached per "
         "CPU/dtype/shape in ~/.cache/pdserve/kernels.json; 'dense'/'packed'/'gemv' force one.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs; 'cuda' needs "
-                                           "num_gpus > 0 in the pool.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs. Only 'cpu' in a "
+                                           "cluster: every worker registers its KV cache with NIXL as CPU "
+                                           "(DRAM) memory to send or receive blocks, and GPU (VRAM) "
+                                           "registration is not implemented, so 'cuda' is refused.")
     attention_backend: Literal["auto", "native", "sdpa"] = Field(
         "auto", description="Decode attention: 'native' = the C++ kernel built by `make setup` (reads "
         "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
@@ -211,9 +223,12 @@ class PoolSettings(_Settings):
         return value
 
     @model_validator(mode="after")
-    def _gpu_for_cuda(self) -> PoolSettings:
-        if self.engine.device == "cuda" and self.num_gpus <= 0:
-            raise ValueError("num_gpus: must be > 0 when engine.device is 'cuda'")
+    def _cpu_only(self) -> PoolSettings:
+        if self.engine.device == "cuda":
+            raise ValueError("engine.device: 'cuda' cannot serve in a cluster yet: each worker registers its "
+                             "KV cache with NIXL to move blocks between workers, and only CPU (DRAM) memory is "
+                             "registered; a CUDA cache needs VRAM descriptors, which are not implemented. Use "
+                             "'cpu' (docs/operations.md, \"GPUs\")")
         return self
 
     def engine_config(self, model: ModelSettings, mode: EngineMode) -> EngineConfig:

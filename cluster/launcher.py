@@ -17,6 +17,7 @@ directory is 0700 and every file in it 0600; ``state.json`` has no password (a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -131,6 +132,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                           include_dashboard=config.ray.include_dashboard, dashboard_host=LOOPBACK_IP,
                           dashboard_port=config.ray.dashboard_port)
         ray.init(**kwargs)
+        if started_ray:
+            _protect_ray_token()
     redis_server = supervisor = None
     redis_url = config.redis.url
     # The password travels in memory (and in a 0600 file for the CLI), never in a URL or argv.
@@ -238,6 +241,26 @@ async def _drain(service) -> None:
         await asyncio.sleep(0.1)
 
 
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+def _protect_ray_token() -> None:
+    """Ray 2.60 writes the token of its (default) token authentication to ~/.ray/auth_token
+    readable by every user of the host; the token opens the dashboard and the cluster's APIs."""
+    with contextlib.suppress(OSError):
+        if RAY_TOKEN_FILE.stat().st_mode & 0o077:
+            RAY_TOKEN_FILE.chmod(0o600)
+            logger.info("made %s readable by its owner only", RAY_TOKEN_FILE)
+
+
+def dashboard_hint(url: str) -> str:
+    """How to open the Ray dashboard with token authentication on (Ray 2.60's default); the token
+    itself is never printed (terminals and logs are not the place for it)."""
+    return (f"Ray dashboard: {url} (token authentication: paste the token that `ray get-auth-token` "
+            f"prints (it is in {RAY_TOKEN_FILE}) when the page asks; for its HTTP API send "
+            f"\"Authorization: Bearer $(cat {RAY_TOKEN_FILE})\")")
+
+
 def _dashboard_url() -> str | None:
     try:
         import ray
@@ -317,7 +340,7 @@ def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
         if st and st.get("pid") == proc.pid and _healthy(st["http"]):
             print(f"pdserve is up: HTTP {st['http']}  gRPC {st['grpc']}  model {st['model']}")
             if st.get("dashboard"):
-                print(f"Ray dashboard: {st['dashboard']}")
+                print(dashboard_hint(st["dashboard"]))
             return 0
         if time.monotonic() - last_note > 10:
             last_note = time.monotonic()
@@ -406,6 +429,8 @@ def format_status(status: dict) -> str:
     cs = ClusterStatus.from_dict(status)
     lines = [f"pdserve  model {st.get('model')}  HTTP {st.get('http')}  gRPC {st.get('grpc')}",
              f"uptime {cs.uptime_s:.0f} s  retries {cs.retries}  migrations {cs.migrations}"]
+    if st.get("dashboard"):
+        lines.append(dashboard_hint(st["dashboard"]))
     if status.get("redis_unreachable"):
         lines.append(f"Redis unreachable ({status['redis_unreachable']}): no live status; requests are "
                      f"still served (see docs/operations.md, 'During a Redis outage')")

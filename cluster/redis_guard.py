@@ -88,6 +88,7 @@ class RedisGuard:
         self._dropped_this_outage = 0
         self._closed = threading.Event()
         self.outages = 0
+        self._notify_state(True)   # a guard starts up: the gauge says so from the start, not first at a recovery
 
     # ------------------------------------------------------------------ state
     @property

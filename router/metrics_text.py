@@ -43,11 +43,15 @@ class _Histogram:
         return out
 
 
-_TOKEN_HELP = {
-    "prompt": "Prompt tokens of completed requests.",
-    "cached_prompt": "Prompt tokens of completed requests whose KV came from the prefix cache.",
-    "completion": "Output tokens of completed requests.",
-    "batch_completion": "Output tokens of completed Batch API items (spare-capacity work).",
+# Families named as in the Ray export (``ray_pdserve_<name>``, docs/metrics.md) where they count
+# the same thing there, seen from the router.
+_TOKEN_FAMILIES = {
+    "prompt": ("prompt_tokens_total", "Prompt tokens of completed requests (prefix-cache hits included)."),
+    "cached_prompt": ("prefix_cache_hits_total",
+                      "Prompt tokens of completed requests whose KV came from the prefix cache."),
+    "completion": ("generation_tokens_total", "Output tokens of completed requests."),
+    "batch_completion": ("batch_completion_tokens_total",
+                         "Output tokens of completed Batch API items (spare-capacity work)."),
 }
 
 
@@ -100,15 +104,15 @@ class RouterMetrics:
     def render(self) -> str:
         p = "pdserve_router_"
         m = f'model="{_label_value(self.model)}"'
-        lines = [f"# HELP {p}requests_total Requests finished, by API and outcome.",
-                 f"# TYPE {p}requests_total counter"]
+        lines = [f"# HELP {p}requests_finished_total Requests ended, by API and outcome (a finish reason, "
+                 f"or what ended it: an error type, cancelled, rejected).",
+                 f"# TYPE {p}requests_finished_total counter"]
         with self._lock:
             for (api, outcome), n in sorted(self._requests.items()):
-                lines.append(f'{p}requests_total{{{m},api="{api}",outcome="{outcome}"}} {n}')
-            for kind in ("prompt", "cached_prompt", "completion", "batch_completion"):
-                name = f"{p}{kind}_tokens_total"
-                lines += [f"# HELP {name} {_TOKEN_HELP[kind]}", f"# TYPE {name} counter",
-                          f"{name}{{{m}}} {self._tokens[kind]}"]
+                lines.append(f'{p}requests_finished_total{{{m},api="{api}",outcome="{outcome}"}} {n}')
+            for kind, (family, help_text) in _TOKEN_FAMILIES.items():
+                name = f"{p}{family}"
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{m}}} {self._tokens[kind]}"]
             horizon = time.monotonic() - BATCH_RATE_WINDOW_S
             while self._batch_ended and self._batch_ended[0][0] < horizon:
                 self._batch_ended.popleft()
@@ -118,7 +122,7 @@ class RouterMetrics:
                       f"{BATCH_RATE_WINDOW_S:g} s, per second: the batch's throughput on spare capacity.",
                       f"# TYPE {name} gauge", f"{name}{{{m}}} {rate:g}"]
             for name, hist, what in ((f"{p}time_to_first_token_seconds", self._ttft, "Time to first token."),
-                                     (f"{p}request_duration_seconds", self._e2e, "End-to-end request time."),
+                                     (f"{p}e2e_request_latency_seconds", self._e2e, "End-to-end request time."),
                                      (f"{p}inter_token_latency_seconds", self._itl,
                                       "Gap between consecutive token chunks of one stream, as the router sends them.")):
                 lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"] + hist.lines(name, m)

@@ -104,9 +104,9 @@ class Serving:
 
             tokenizer = load_tokenizer(self.info.tokenizer_dir)
         self.tokenizer = tokenizer
-        self.metrics.add_gauge("requests_in_flight", lambda: self.admission.in_flight,
+        self.metrics.add_gauge("num_requests_running", lambda: self.admission.in_flight,
                                "Requests admitted and not yet finished.")
-        self.metrics.add_gauge("requests_queued", lambda: self.admission.queued,
+        self.metrics.add_gauge("num_requests_waiting", lambda: self.admission.queued,
                                "Requests waiting for an admission slot.")
         self.metrics.add_gauge("requests_rejected_total", lambda: self.admission.rejected_total,
                                "Requests refused with 429 (admission full or the predicted TTFT over its limit).",

@@ -167,7 +167,7 @@ def test_a_batch_runs_and_matches_the_requests_sent_one_by_one(stack: Stack) -> 
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values['pdserve_router_batch_completion_tokens_total{model="tiny"}'] >= len(PROMPTS) * GEN
     assert values['pdserve_router_batch_output_tokens_per_second{model="tiny"}'] >= len(PROMPTS) * GEN / 60.0
-    assert values['pdserve_router_requests_total{model="tiny",api="batch",outcome="length"}'] >= len(PROMPTS)
+    assert values['pdserve_router_requests_finished_total{model="tiny",api="batch",outcome="length"}'] >= len(PROMPTS)
     assert stack.engine.block_manager.all_free() or wait_free(stack)
 
 

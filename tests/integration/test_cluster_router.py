@@ -391,3 +391,62 @@ def test_a_generation_longer_than_its_ledger_lease_is_not_reaped(cluster: Cluste
     assert resp.usage.completion_tokens == RENEWED_TOKENS
     assert elapsed > 3 * LEASE_S, f"the request ({elapsed:.1f} s) must outlive several leases to test renewal"
     cluster.assert_nothing_held()
+
+
+# --------------------------------------------------------------------------- metrics
+def _documented(prefix: str) -> set[str]:
+    """The metric names docs/metrics.md's tables list with ``prefix``."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    return set(re.findall(rf"^\| `({prefix}\w+)` \|", text, re.M))
+
+
+def _families(text: str) -> set[str]:
+    """Metric family names with at least one sample in a Prometheus exposition."""
+    import re
+
+    names = set()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", re.split(r"[{ ]", line, maxsplit=1)[0]))
+    return names
+
+
+# Documented series that only an event this module's cluster never has produces: the planner is
+# off here (tests/integration/test_planner_scaling.py scales), no KV transfer fails and no
+# sequence is preempted on a healthy pair, Redis stays up (test_redis_outage.py covers it).
+_EVENT_ONLY = {"ray_pdserve_planner_target_replicas", "ray_pdserve_planner_utilization",
+               "ray_pdserve_planner_decisions_total", "ray_pdserve_pool_replicas",
+               "ray_pdserve_kv_transfer_failures_total", "ray_pdserve_num_preemptions_total",
+               "ray_pdserve_redis_calls_dropped_total"}
+
+
+def test_every_documented_metric_has_samples_under_traffic(cluster: ClusterHarness) -> None:
+    """Requests through the disaggregated cluster (one stream left early by its client), then the
+    router's /metrics and the Ray node's Prometheus export: every family docs/metrics.md lists is
+    there, bar the event-only ones named above."""
+    import urllib.request
+
+    client = cluster.openai()
+    for prompt in (SHORT_PROMPT, LONG_PROMPT, LONG_PROMPT):      # the repeat hits the prefix cache
+        client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=GEN, temperature=0)
+    stream = client.completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=64, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()                                   # a cancelled request counts too
+    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=10) as resp:
+        router = _families(resp.read().decode())
+    assert _documented("pdserve_router_") - router == set()
+    assert len(_documented("pdserve_router_")) >= 14
+    node = next(n for n in ray.nodes() if n["Alive"])
+    want = _documented("ray_pdserve_") - _EVENT_ONLY
+    assert len(want) >= 20
+    missing, deadline = want, time.monotonic() + 40.0  # Ray flushes its export every few seconds
+    while missing and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=10) as resp:
+            missing = want - _families(resp.read().decode())
+        time.sleep(1.0)
+    assert missing == set(), f"documented but not exported after traffic: {sorted(missing)}"
+    cluster.assert_nothing_held()

@@ -201,7 +201,7 @@ def test_repeated_long_prompt_reports_cached_tokens(stack: Stack) -> None:
 def test_models_health_and_metrics(stack: Stack) -> None:
     assert [m.id for m in stack.client().models.list().data] == ["tiny"]
     host, port = stack.http_url.removeprefix("http://").split(":")
-    for path, status, words in (("/health", 200, '"ok"'), ("/metrics", 200, "pdserve_router_requests_total"),
+    for path, status, words in (("/health", 200, '"ok"'), ("/metrics", 200, "pdserve_router_requests_finished_total"),
                                 ("/nope", 404, "not an endpoint")):
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
         conn.request("GET", path)

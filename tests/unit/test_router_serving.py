@@ -147,8 +147,8 @@ def test_every_request_ends_as_one_record_for_the_observers(tiny_model, tokenize
     # The router's own /metrics text is the first observer: four requests by outcome.
     text = serving.metrics.render()
     for outcome in ("stop", "length", "timeout_error", "cancelled"):
-        assert f'pdserve_router_requests_total{{model="m",api="test",outcome="{outcome}"}} 1' in text
-    assert 'pdserve_router_completion_tokens_total{model="m"} 5' in text  # 3 (stop) + 2 (length); not the rest
+        assert f'pdserve_router_requests_finished_total{{model="m",api="test",outcome="{outcome}"}} 1' in text
+    assert 'pdserve_router_generation_tokens_total{model="m"} 5' in text  # 3 (stop) + 2 (length); not the rest
     # every family has HELP and TYPE, every sample the model label; totals are counters
     families = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
     helped = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP")}
