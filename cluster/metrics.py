@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 RAY_EXPORT_PREFIX = "ray_"
 ENGINE_ROLES = ("prefill", "decode", "both")
-FINISH_REASONS = ("stop", "length", "abort", "error", "prefilled")
+FINISH_REASONS = ("stop", "length", "abort", "error", "prefilled", "rejected")
 GAUGE_REFRESH_S = 1.0
 
 # Buckets sized for CPU serving: TTFT from 1 ms to a minute, whole requests up to 10 minutes.
@@ -350,9 +350,15 @@ class RayRouterMetrics:
 
     def request_ended(self, record: RequestRecord) -> None:
         """A ``RequestObserver`` (``router/request_observer.py``): record one request that a worker
-        ran (its phase is known), with the gaps between the chunks its client was sent."""
+        ran (its phase is known), with the gaps between the chunks its client was sent; one that
+        ended before any worker ran it only counts in ``requests_finished_total``, as ``rejected``
+        (a 429), ``abort`` (its client left) or ``error`` (refused input, a timeout, ...)."""
         if record.phase is not None:
             _observe_request(self.tags, record.phase, record.itl_s)
+            return
+        reason = ("rejected" if record.outcome == "rate_limit_error" else "abort" if record.outcome == "cancelled"
+                  else "error")
+        _inc("pdserve_requests_finished_total", 1, {**self.tags, "finish_reason": reason})
 
     def set_in_flight(self, running: int, waiting: int = 0) -> None:
         """Requests the router is serving, and those it queued (admission) before sending."""

@@ -93,7 +93,8 @@ class Recorder:
             "r1", "c1", "http", "length", phase=RequestPhase(
                 queue_s=0.001, prompt_tokens=40, prefill_s=0.05, ttft_s=0.06, output_tokens=5, decode_s=0.1,
                 total_s=0.16, finish_reason="length"), itl_s=(0.01, 0.02, 0.03, 0.04)))
-        router.request_ended(RequestRecord("r2", "c2", "http", "overloaded"))  # refused: no phase, not counted
+        router.request_ended(RequestRecord("r2", "c2", "http", "rate_limit_error"))   # a 429: no phase
+        router.request_ended(RequestRecord("r3", "c3", "grpc", "cancelled"))          # left while queued
         router.set_in_flight(7, 1)
 
         planner = PlannerMetrics()
@@ -171,6 +172,9 @@ def _expected(uid: str) -> list[tuple[str, dict[str, str], float | SumOf]]:
         ("ray_pdserve_time_to_first_token_seconds_sum", r, _sum_of(0.06)),
         ("ray_pdserve_request_time_per_output_token_seconds_sum", r, _sum_of(0.025)),
         ("ray_pdserve_requests_finished_total", {**r, "finish_reason": "length"}, 1),
+        ("ray_pdserve_requests_finished_total", {**r, "finish_reason": "rejected"}, 1),
+        ("ray_pdserve_requests_finished_total", {**r, "finish_reason": "abort"}, 1),
+        ("ray_pdserve_e2e_request_latency_seconds_count", r, 1),       # only the request a worker ran
         ("ray_pdserve_num_requests_running", r, 7),
         ("ray_pdserve_planner_decisions_total", {**pre, "action": "scale_up"}, 2),
         ("ray_pdserve_planner_decisions_total", {**dec, "action": "hold"}, 2),
