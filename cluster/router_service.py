@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 
 class _RequestLogWriter:
-    """A ``RequestObserver``: appends every request a worker ran (completed, failed or cancelled)
-    to the Redis request log (``pdserve requests tail``), off the request's path."""
+    """A ``RequestObserver``: appends every request to the Redis request log (``pdserve requests
+    tail``), off the request's path, whatever its end: completed, failed, cancelled, or refused
+    before any worker ran it (a 429, a timeout in the queue: no phase, the error says why)."""
 
     def __init__(self, log: RequestLog, guard: RedisGuard | None = None) -> None:
         self._log = log
@@ -49,8 +50,6 @@ class _RequestLogWriter:
         self._pending: set[asyncio.Task] = set()
 
     def request_ended(self, record: RequestRecord) -> None:
-        if record.phase is None:
-            return  # refused before any worker ran it: the rejection log has it
         task = asyncio.get_running_loop().create_task(self._append(record.to_dict()))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

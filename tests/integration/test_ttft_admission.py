@@ -32,9 +32,10 @@ def cluster(tiny_model, ray_session, redis_server):
         yield h
 
 
-def _post(cluster: ClusterHarness, prompt: list[int]) -> tuple[requests.Response, float]:
+def _post(cluster: ClusterHarness, prompt: list[int], rid: str | None = None) -> tuple[requests.Response, float]:
     t0 = time.monotonic()
-    resp = requests.post(cluster.http_url + "/v1/completions", timeout=120, json={
+    resp = requests.post(cluster.http_url + "/v1/completions", timeout=120, headers={"X-Request-Id": rid} if rid else {},
+                         json={
         "model": cluster.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     return resp, time.monotonic() - t0
 
@@ -54,7 +55,7 @@ def test_a_burst_over_the_predicted_ttft_limit_is_refused_at_once(cluster: Clust
     backend.max_predicted_ttft_s = 3.5 * PROMPT_LEN / prefill.view.prefill_tokens_per_s
     refused_before = backend.ttft_refusals
     with concurrent.futures.ThreadPoolExecutor(PROMPTS) as pool:
-        results = list(pool.map(lambda p: _post(cluster, p), prompts[:PROMPTS]))
+        results = list(pool.map(lambda i: _post(cluster, prompts[i], f"burst-{i}"), range(PROMPTS)))
     codes = [r.status_code for r, _ in results]
     assert set(codes) <= {200, 429}, codes
     ok = [r for r, _ in results if r.status_code == 200]
@@ -66,3 +67,15 @@ def test_a_burst_over_the_predicted_ttft_limit_is_refused_at_once(cluster: Clust
         assert "predicted time to first token" in err["message"] and int(r.headers["Retry-After"]) >= 1
         assert seconds < 2.0, f"a refusal took {seconds:.2f} s: it must come at once, not after queueing"
     assert all(len(r.json()["pdserve"]["token_ids"]) == 4 for r in ok)
+    # Every refusal is in the request log (`pdserve requests tail`) with its reason, beside the
+    # completed requests.
+    ids = {f"burst-{i}" for i, (r, _) in enumerate(results) if r.status_code == 429}
+    logged: dict = {}
+
+    def all_logged() -> bool:
+        logged.update({x.get("client_request_id"): x for x in cluster.service.request_log.tail(200)})
+        return ids <= set(logged)
+
+    wait_until(all_logged, 10.0, "the refused requests in the request log")
+    for rid in ids:
+        assert logged[rid]["outcome"] == "rate_limit_error" and "predicted time to first token" in logged[rid]["error"]
