@@ -6,8 +6,9 @@ The router holds no state of its own here: files, batches and per-item results l
 restart or a Redis restart loses no accepted item. ``BatchRunner`` is a task of the router: it
 takes every active batch's items that have no result yet and runs them through ``Serving`` at
 the engine's batch priority (``Priority.BATCH``: scheduled after every interactive request), a
-few at a time and only while admission has room, so interactive requests are never refused
-because of them. A result is recorded once per item (``record_result`` keeps the first), so an
+few at a time, outside the router's admission (an item takes no slot, so interactive requests
+never wait for one, nor get a 429, because of a batch) and none while an interactive request
+waits for a slot. A result is recorded once per item (``record_result`` keeps the first), so an
 item that was running when the router died is run again and still answered exactly once.
 """
 
@@ -28,7 +29,7 @@ from pdserve.router import errors
 from pdserve.router.backend import Finished
 from pdserve.router.errors import InvalidParameterError
 from pdserve.router.openai_format import ResponseBuilder
-from pdserve.router.serving import Chunk, Serving
+from pdserve.router.serving import BATCH_API, Chunk, Serving
 from pdserve.router.validation import parse_chat_body, parse_completion_bodies
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ async def respond(serving: Serving, url: str, body: dict, client_id: str) -> tup
                                   logprobs=prepared.params.logprobs, tools=parsed.tools,
                                   tokens_as_ids=parsed.tokens_as_ids)
         chunks: list[Chunk] = []
-        async with serving.stream(prepared, api="batch") as events:
+        async with serving.stream(prepared, api=BATCH_API) as events:
             async for ev in events:
                 if isinstance(ev, Finished):
                     if ev.error is not None:
@@ -221,16 +222,16 @@ class BatchRunner:
         return len(self._running)
 
     def _spare(self) -> int:
-        """Items that may start now: room under the runner's own limit and admission's, with no
-        interactive request waiting for a slot; while interactive requests run, the runner keeps
-        a quarter of its limit (fewer batch sequences make their steps shorter)."""
+        """Items that may start now: room under the runner's own limit, with no interactive request
+        waiting for an admission slot; while interactive requests run, the runner keeps a quarter
+        of its limit (fewer batch sequences make their steps shorter). Items take no admission
+        slot (``Serving`` admits only interactive requests), so a batch never makes an interactive
+        request wait for one, let alone get a 429; the engine schedules them after interactive work."""
         adm = self.serving.admission
         if adm.queued:
             return 0
-        room = adm.config.max_in_flight - adm.in_flight - 1   # one slot always left to interactive work
-        interactive = adm.in_flight - len(self._running)
-        limit = self.max_concurrent if interactive <= 0 else max(1, self.max_concurrent // 4)
-        return max(0, min(limit - len(self._running), room))
+        limit = self.max_concurrent if adm.in_flight == 0 else max(1, self.max_concurrent // 4)
+        return max(0, limit - len(self._running))
 
     async def _io(self, fn, *args):
         return await asyncio.to_thread(fn, *args)

@@ -235,6 +235,12 @@ def client_scope(authorization: str | None) -> str:
     return hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
+# The ``api`` of the Batch API runner's items (``router/batch_api.py``): they take no admission
+# slot (the runner bounds them), so a batch never makes an interactive request wait for a slot.
+# A client's own request with ``priority: batch`` is admitted like any other.
+BATCH_API = "batch"
+
+
 class RequestStream:
     """One request's output. Use as ``async with serving.stream(req, api=...) as events``."""
 
@@ -246,6 +252,7 @@ class RequestStream:
         self._deadline = deadline
         self._scope = scope
         self._id_key: tuple[str, str] | None = None
+        self._admitted = False   # holds an admission slot (interactive requests; batch items never do)
         self._gen: AsyncIterator | None = None
         self._events_gen: AsyncIterator | None = None
         self._backend_done = False
@@ -265,12 +272,16 @@ class RequestStream:
         try:
             if self._req.client_id:
                 self._id_key = self._s._claim_id(self._scope, self._req.client_id, self._req.request_id)
-            if self._deadline is None:
+            if self._api == BATCH_API:
+                pass   # the Batch API's items: bounded by its runner's own limit, outside admission
+            elif self._deadline is None:
                 await self._s.admission.acquire()
+                self._admitted = True
             else:
                 try:
                     async with asyncio.timeout_at(self._loop_deadline()):
                         await self._s.admission.acquire()
+                    self._admitted = True
                 except TimeoutError:
                     raise DeadlineExceededError(f"the request's deadline passed while it waited for a slot "
                                         f"({self._timeout_text()}); retry later") from None
@@ -293,7 +304,8 @@ class RequestStream:
             # server's own fires) must not cut the backend's cleanup short (its ledger steps).
             await asyncio.shield(self._close_backend())
         finally:
-            self._s.admission.release()
+            if self._admitted:
+                self._s.admission.release()
             self._release_id()
             if isinstance(exc, PdserveError):
                 self._outcome, self._error = exc.error_type, exc

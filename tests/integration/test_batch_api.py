@@ -227,6 +227,27 @@ def test_cancel_stops_the_remaining_items(stack: Stack) -> None:
     wait_free(stack)
 
 
+def test_batch_items_take_no_admission_slot_but_a_clients_batch_priority_does(stack: Stack) -> None:
+    """The runner's items run outside the router's admission (the runner bounds them), so a batch
+    never makes an interactive request wait for a slot; a client's own request with
+    ``priority: batch`` is admitted like any other (it is not the runner's to bound)."""
+    client = stack.openai()
+    lines = [dict(x, body=dict(x["body"], max_tokens=60)) for x in requests(PROMPTS * 2, "adm")]
+    b = submit(client, lines)
+    end = time.monotonic() + 60
+    while stack.runner.running == 0:
+        assert time.monotonic() < end, "the batch never started"
+        time.sleep(0.01)
+    assert stack.serving.admission.in_flight == 0
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=60, stream=True,
+                                       extra_body={"priority": "batch", "ignore_eos": True})
+    next(iter(stream))
+    assert stack.serving.admission.in_flight == 1 and stack.runner.running > 0
+    stream.close()
+    wait_status(client, b.id, {"completed"})
+    wait_free(stack)
+
+
 def test_router_and_redis_restarts_mid_batch_answer_every_item_once(stack: Stack) -> None:
     client = stack.openai()
     lines = [dict(x, body=dict(x["body"], max_tokens=24)) for x in requests(PROMPTS * 2, "r")]
