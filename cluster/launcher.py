@@ -134,6 +134,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         ray.init(**kwargs)
         if started_ray:
             _protect_ray_token()
+    _log_into_ray_session()
     redis_server = supervisor = None
     redis_url = config.redis.url
     # The password travels in memory (and in a 0600 file for the CLI), never in a URL or argv.
@@ -242,6 +243,29 @@ async def _drain(service) -> None:
 
 
 RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+def _log_into_ray_session() -> Path | None:
+    """pdserve's INFO events of this head (router, planner, pool manager) also into a file of
+    this Ray node's log directory, ``pdserve-head-<pid>.log``, where the Ray dashboard lists it
+    (Logs, under the node) beside the workers' logs; owner-readable only, like head.log."""
+    import ray
+
+    try:
+        logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+        path = logs / f"pdserve-head-{os.getpid()}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except (AttributeError, OSError) as exc:   # a driver without a local Ray node's directory
+        logger.info("head log not written into the Ray session (%s)", exc)
+        return None
+    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    pkg = logging.getLogger("pdserve")
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)   # the planner's decisions and worker events, also on a --foreground head's stderr
+    logger.info("this head's log is also %s (the Ray dashboard's Logs view)", path)
+    return path
 
 
 def _protect_ray_token() -> None:
