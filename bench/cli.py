@@ -21,6 +21,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),
     "batch": ("pdserve.bench.batch", "interactive TTFT with and without a concurrent batch; batch throughput"),
     "structured": ("pdserve.bench.structured", "grammar libraries compared, and a grammar's cost to its batch"),
+    "simulate": ("pdserve.bench.simulate", "the capacity simulator against real runs here, and its speed"),
 }
 
 

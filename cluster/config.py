@@ -414,6 +414,13 @@ class PlannerSettings(_Settings):
     batch_budget_replicas: int = Field(0, ge=0, description="Replicas the decode pool may run beyond what "
                                        "its interactive load needs, for batch-priority work (the Batch "
                                        "API); 0: batch work waits for spare capacity and never scales a pool.")
+    profile: Path | None = Field(None, description="A `pdserve profile` JSON of this model on the workers' "
+                                 "hosts. The planner then sizes each pool from the traffic it observes "
+                                 "(requests/s, prompt and output lengths, prefix share over traffic_window_s) "
+                                 "through the capacity model, with the threshold rules as guard rails, and "
+                                 "logs the arithmetic with each decision (docs/capacity.md).")
+    traffic_window_s: float = Field(120.0, gt=0, description="Seconds of ended requests the capacity model "
+                                    "reads the traffic from (with planner.profile).")
 
     @model_validator(mode="after")
     def _band(self) -> PlannerSettings:
@@ -509,6 +516,13 @@ class ClusterConfig(_Settings):
             problems.append(f"redis.data_dir: {self.redis.data_dir} is not a directory")
         if self.redis.tls_ca_file is not None and not self.redis.tls_ca_file.is_file():
             problems.append(f"redis.tls_ca_file: {self.redis.tls_ca_file} is not a file")
+        if self.planner.profile is not None:
+            from pdserve.capacity.profile import Profile, ProfileError
+
+            try:
+                Profile.load(self.planner.profile)
+            except ProfileError as exc:
+                problems.append(f"planner.profile: {exc}")
         return problems
 
     def exposure_problems(self) -> list[str]:

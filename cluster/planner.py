@@ -25,6 +25,17 @@ How one pool is decided, in order:
    at or below ``scale_up_utilization`` (otherwise the next tick would scale up again).
    The replica to drain is the least loaded warm worker.
 5. Otherwise hold. Every decision carries a reason an operator can read in the logs.
+
+With a capacity model (``planner.profile``: ``cluster/traffic_window.py``), the caller also passes
+each pool's ``model_target``: the replicas the profile says the observed traffic needs, with the
+arithmetic. The threshold rules above stay as guard rails around it:
+
+* a threshold scale-up goes to the larger of its own target and the model's;
+* the model alone scales a pool up to its target (within ``max_step``, ``max_replicas`` and the
+  scale-up cooldown) only while the pool is not idle (utilisation at or above
+  ``scale_down_utilization``): an estimate never starts workers for traffic no worker sees;
+* a scale-down still needs every threshold condition of rule 4, and also the model's agreement
+  (its target below the current replicas); the reason carries the model's arithmetic.
 """
 
 from __future__ import annotations
@@ -242,8 +253,10 @@ def decide_pool(
     policy: PlannerPolicy,
     last_scale_up_at: float | None = None,
     last_scale_down_at: float | None = None,
+    model_target: tuple[int, str] | None = None,
 ) -> PlannerDecision:
-    """Decide one pool (see the module docstring); ``metrics`` may hold other roles' workers."""
+    """Decide one pool (see the module docstring); ``metrics`` may hold other roles' workers.
+    ``model_target``: (replicas, arithmetic) from the capacity model, None without one."""
     workers = [w for w in metrics if w.role == pool.role]
     capacity = pool.capacity
     last_up = _latest(last_scale_up_at, pool.last_scale_up_at)
@@ -286,14 +299,21 @@ def decide_pool(
     def hold(why: str) -> PlannerDecision:
         return decision(ScaleAction.HOLD, capacity, f"{signal.detail}; {why}", util)
 
-    if util > policy.scale_up_utilization:
+    model_n, model_why = model_target if model_target is not None else (None, "")
+    if util > policy.scale_up_utilization or (model_n is not None and model_n > capacity
+                                              and util >= policy.scale_down_utilization):
+        by_model = util <= policy.scale_up_utilization
+        why = (f"capacity model wants {model_n}: {model_why}" if by_model else
+               f"{signal.detail}; utilisation {util:.2f}" + (f"; capacity model wants {model_n}" if model_n else ""))
         if capacity >= pool.max_replicas:
-            return hold(f"at max_replicas {pool.max_replicas}" + (f" ({pool.headroom})" if pool.headroom else ""))
+            return hold(f"at max_replicas {pool.max_replicas}" + (f" ({pool.headroom})" if pool.headroom else "")
+                        + (f"; capacity model wants {model_n}" if by_model else ""))
         if last_up is not None and now - last_up < policy.scale_up_cooldown_s:
-            return hold(f"scale-up cooldown, {policy.scale_up_cooldown_s - (now - last_up):.0f} s left")
-        wanted = math.ceil(load / policy.scale_up_utilization)
+            return hold(f"scale-up cooldown, {policy.scale_up_cooldown_s - (now - last_up):.0f} s left"
+                        + (f"; capacity model wants {model_n}" if by_model else ""))
+        wanted = model_n if by_model else max(math.ceil(load / policy.scale_up_utilization), model_n or 0)
         target = min(max(wanted, capacity + 1), capacity + policy.max_step, pool.max_replicas)
-        return decision(ScaleAction.SCALE_UP, target, f"{signal.detail}; utilisation {util:.2f}", util)
+        return decision(ScaleAction.SCALE_UP, target, why, util)
 
     if util >= policy.scale_down_utilization:
         return hold(f"utilisation {util:.2f} within band")
@@ -308,7 +328,10 @@ def decide_pool(
     projected = load / (capacity - 1) if capacity > 1 else (math.inf if load > 0 else 0.0)
     if projected > policy.scale_up_utilization:
         return hold(f"one replica fewer would reach utilisation {projected:.2f}")
-    return decision(ScaleAction.SCALE_DOWN, capacity - 1, f"{signal.detail}; utilisation {util:.2f}",
+    if model_n is not None and model_n >= capacity:
+        return hold(f"utilisation {util:.2f} is low, but the capacity model wants {model_n}: {model_why}")
+    return decision(ScaleAction.SCALE_DOWN, capacity - 1, f"{signal.detail}; utilisation {util:.2f}"
+                    + (f"; capacity model wants {model_n}: {model_why}" if model_n is not None else ""),
                     util, pick_drain_target(workers, now, policy.warmup_s))
 
 
@@ -328,12 +351,14 @@ class Planner:
     low_since: dict[WorkerRole, float] = field(default_factory=dict)
 
     def decide(
-        self, now: float, pools: Sequence[PoolState], metrics: Sequence[WorkerMetrics]
+        self, now: float, pools: Sequence[PoolState], metrics: Sequence[WorkerMetrics],
+        model_targets: dict[WorkerRole, tuple[int, str]] | None = None,
     ) -> list[PlannerDecision]:
         decisions = []
         for pool in pools:
             d = decide_pool(now, pool, metrics, self.policy,
-                            self.last_scale_up_at.get(pool.role), self.last_scale_down_at.get(pool.role))
+                            self.last_scale_up_at.get(pool.role), self.last_scale_down_at.get(pool.role),
+                            (model_targets or {}).get(pool.role))
             d = self._steady(now, d)
             if d.action is ScaleAction.SCALE_UP:
                 self.last_scale_up_at[pool.role] = now

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.contract import WorkerStats
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
+from pdserve.cluster.traffic_window import CapacityModel, TrafficWindow
 from pdserve.cluster.workers import WorkerHandle, start_worker, stop_worker
 from pdserve.router.worker_pool import WorkerPool
 
@@ -48,6 +49,11 @@ class PoolManager:
         self.ready_timeout_s = ready_timeout_s
         self.pools = {role: PoolRecord(role) for role in ROLES}
         self.planner = Planner(config.planner_policy())
+        # with planner.profile: the capacity model and the traffic it reads (Serving feeds the window)
+        self.traffic = TrafficWindow(config.planner.traffic_window_s)
+        self.capacity = (CapacityModel.load(config.planner.profile, config.slo.ttft_ms / 1e3, config.slo.itl_ms / 1e3,
+                                            colocated=config.router.disaggregation.mode == "never")
+                         if config.planner.profile is not None else None)
         self.decisions: list[PlannerDecision] = []
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
@@ -285,7 +291,7 @@ class PoolManager:
         decisions (which see the pending and draining replicas)."""
         async with self._lock:
             now = time.time()
-            decisions = self.planner.decide(now, self.pool_states(), self.metrics(now))
+            decisions = self.planner.decide(now, self.pool_states(), self.metrics(now), self.model_targets())
             self.decisions = decisions
             for d in decisions:
                 role = str(d.role)
@@ -302,6 +308,18 @@ class PoolManager:
                     logger.info("planner: %s drain %s (%s)", role, d.drain_worker_id, d.reason)
                     self._act(self.drain_and_remove(d.drain_worker_id), f"draining {d.drain_worker_id}")
             return decisions
+
+    def model_targets(self) -> dict[str, tuple[int, str]] | None:
+        """The capacity model's replicas per pool for the traffic of the last window (None: no model,
+        or too few requests seen to say). Colocated: the model sizes the decode pool only."""
+        if self.capacity is None or (seen := self.traffic.observed()) is None:
+            return None
+        t = self.capacity.targets(seen)
+        logger.info("capacity model: %s", t.explanation)
+        out = {"decode": (t.decode, t.explanation)}
+        if not self.capacity.colocated:
+            out["prefill"] = (t.prefill, t.explanation)
+        return out
 
     def _act(self, coro, what: str) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -150,8 +150,8 @@ class RouterService:
 
         self.metrics = RayRouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
-        observers = [self.metrics] + ([_RequestLogWriter(self.request_log, self.redis_guard)]
-                                      if self.request_log is not None else [])
+        observers = [self.metrics, self.manager.traffic] + ([_RequestLogWriter(self.request_log, self.redis_guard)]
+                                                            if self.request_log is not None else [])
         self.serving = Serving(self.backend, observers=observers, admission=admission,
                                limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]

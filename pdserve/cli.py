@@ -46,6 +46,7 @@ _REGISTERED = (
     "pdserve.bench.cli",
     "pdserve.cluster.cli",
     "pdserve.cluster.batch_cli",
+    "pdserve.bench.capacity_cli",
 )
 
 

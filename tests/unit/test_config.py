@@ -286,3 +286,15 @@ def test_every_config_field_is_read_somewhere() -> None:
     unread = sorted({dotted for _, dotted in all_fields(ClusterConfig)
                      if not re.search(rf"\.{re.escape(dotted.rsplit('.', 1)[-1])}\b", sources)})
     assert unread == []
+
+
+def test_a_planner_profile_that_does_not_load_is_refused_with_the_reason(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"version": 99}')
+    config = load_text(tmp_path, f"model: {{path: {model}}}\nplanner: {{profile: {bad}}}\n")
+    assert config.planner.profile == bad and config.planner.traffic_window_s == 120.0
+    problems = config.path_problems()
+    assert len(problems) == 1 and problems[0].startswith("planner.profile: ") and "pdserve profile" in problems[0]

@@ -17,8 +17,10 @@ ALLOWED = {
     "prefill_worker": {"engine", "kv_transfer", "worker"},
     "decode_worker": {"engine", "kv_transfer", "worker"},
     "router": {"engine", "kv_transfer", "proto"},
-    "cluster": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto"},
-    "bench": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "cluster"},
+    "capacity": {"engine"},
+    "cluster": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "capacity"},
+    "bench": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "cluster",
+              "capacity"},
     "pdserve": {"engine", "cluster", "bench"},
 }
 RAY_ALLOWED = ("cluster/", "bench/", "router/worker_pool.py")   # the router's one seam to Ray actors

@@ -334,3 +334,38 @@ def test_batch_work_scales_the_decode_pool_only_within_its_budget() -> None:
     inter = [WorkerMetrics(f"d{i}", WorkerRole.DECODE, warm=True, started_at=0.0, running_seqs=60, waiting_seqs=4,
                            kv_usage=0.9) for i in range(2)]
     assert decide_pool(now, pool, inter, PlannerPolicy()).target_replicas == 3
+
+
+# ------------------------------------------------------------------ the capacity model's targets
+def test_the_capacity_model_scales_a_busy_pool_to_its_target_with_the_arithmetic_in_the_reason() -> None:
+    pool = make_pool(WorkerRole.DECODE, 2, hi=8)
+    within_band = [make_worker("d0", kv_usage=0.6), make_worker("d1", kv_usage=0.6)]
+    plain = decide_pool(NOW, pool, within_band, POLICY)
+    assert plain.action is ScaleAction.HOLD
+    d = decide_pool(NOW, pool, within_band, POLICY, model_target=(5, "9 requests/s -> 5 decode"))
+    assert d.action is ScaleAction.SCALE_UP and d.target_replicas == 4      # within max_step
+    assert "capacity model wants 5: 9 requests/s -> 5 decode" in d.reason
+
+
+def test_the_capacity_model_never_starts_workers_for_an_idle_pool_and_never_shrinks_a_hot_one() -> None:
+    pool = make_pool(WorkerRole.DECODE, 2, hi=8)
+    idle = [make_worker("d0", kv_usage=0.1), make_worker("d1", kv_usage=0.1)]
+    d = decide_pool(NOW, pool, idle, POLICY, model_target=(6, "stale"))
+    assert d.action is ScaleAction.HOLD and "capacity model wants 6" in d.reason
+    hot = [make_worker("d0", kv_usage=0.95), make_worker("d1", kv_usage=0.95)]
+    d = decide_pool(NOW, pool, hot, POLICY, model_target=(1, "says one"))
+    assert d.action is ScaleAction.SCALE_UP and d.target_replicas == 3       # the threshold rule wins
+    # the threshold's own target is raised to the model's when the model asks for more
+    d = decide_pool(NOW, make_pool(WorkerRole.DECODE, 2, hi=8), hot, dataclasses.replace(POLICY, max_step=4),
+                    model_target=(6, "six"))
+    assert d.action is ScaleAction.SCALE_UP and d.target_replicas == 6
+
+
+def test_a_scale_down_needs_the_capacity_models_agreement() -> None:
+    pool = make_pool(WorkerRole.DECODE, 3, hi=8)
+    idle = [make_worker(f"d{i}", kv_usage=0.05) for i in range(3)]
+    assert decide_pool(NOW, pool, idle, POLICY).action is ScaleAction.SCALE_DOWN
+    held = decide_pool(NOW, pool, idle, POLICY, model_target=(3, "3 needed at 40 requests/s"))
+    assert held.action is ScaleAction.HOLD and "capacity model wants 3" in held.reason
+    down = decide_pool(NOW, pool, idle, POLICY, model_target=(1, "1 is enough"))
+    assert down.action is ScaleAction.SCALE_DOWN and "capacity model wants 1: 1 is enough" in down.reason

@@ -1,0 +1,346 @@
+"""``pdserve profile``: measure one model on this host into a capacity profile (``capacity/profile.py``).
+
+    pdserve profile --model DIR --json FILE [--dtype auto] [--threads 1,2] [--quick]
+
+For each thread count (default: what a worker computes on here: a disaggregated worker's share of
+the cores, and all of them for the colocated worker), one ``LLMEngine`` with the workers' engine
+settings is built (its construction time is the worker start time) and measured, every figure
+the median of repeated real engine steps:
+
+* prefill steps of one prompt of 16 ... 2,048 tokens (``max_num_batched_tokens``: a step never
+  takes more), and of 128 new tokens after 1,024 cached ones (the attention cost of context);
+* decode steps at batch 1 ... 64 (``max_num_seqs``) on 64-token prompts, and at batch 8 on
+  512-token prompts (the cost of context per token);
+* a KV handoff: NIXL writes between two processes (UCX, as the workers use it) of 8 and 128 of
+  this model's KV blocks, one descriptor per block; fitted as overhead + bytes / bandwidth;
+* served overheads (``--no-served`` skips them): a real ``pdserve up`` of each mode (colocated;
+  disaggregated, one prefill and one decode worker) on 127.0.0.1 answers lone streamed requests
+  (128 prompt tokens, 16 out) one at a time; what their TTFT and token gaps take beyond the
+  profiled engine steps is the path's overhead (HTTP, router, Ray calls, the handoff's control
+  messages), and ``pdserve up``'s time is the cluster's start time.
+
+Bounded: about 3-4 minutes for the ``small`` model on 2 cores (``--quick``: fewer points, ~1 minute
+without the served part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pdserve.capacity.profile import PROFILE_VERSION, EngineProfile, Profile, ServingProfile, TransferProfile
+
+logger = logging.getLogger(__name__)
+
+PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+QUICK_PREFILL = (16, 128, 512)
+QUICK_BATCHES = (1, 8, 32)
+SHORT_PROMPT, LONG_PROMPT, CTX_BATCH = 64, 512, 8
+CTX_CACHED, CTX_NEW = 1024, 128
+
+
+def default_threads() -> tuple[int, ...]:
+    """A disaggregated worker's threads on this host (one prefill and one decode worker share the
+    cores) and the colocated worker's (all of them)."""
+    cores = len(os.sched_getaffinity(0))
+    return tuple(sorted({max(1, cores // 2), cores}))
+
+
+def _engine(model_dir: str, dtype: str, threads: int, max_seqs: int, max_batched: int, kv_gb: float):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model_dir, dtype=dtype, kv_cache_memory_gb=kv_gb, max_num_seqs=max_seqs,
+                                  max_num_batched_tokens=max_batched, num_threads=threads))
+
+
+def _prompt(gen, vocab: int, n: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+def _one_step_s(engine, prompt: list[int]) -> float:
+    """Add a prompt (max_tokens 1) and time the engine steps until its first token."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine.add_request(f"profile-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                                  ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def _decode_step_s(engine, prompts: list[list[int]], steps: int) -> float:
+    from pdserve.bench.engine import EngineDecode
+
+    run = EngineDecode(engine, prompts, steps + 1)
+    try:
+        run.step()   # the first full-batch step
+        return statistics.median(run.step()[0] for _ in range(steps))
+    finally:
+        run.close()
+
+
+def profile_engine(engine, vocab: int, *, quick: bool, max_seqs: int, max_batched: int, seed: int = 0) -> EngineProfile:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    repeats = 1 if quick else 2
+    lens = [n for n in (QUICK_PREFILL if quick else PREFILL_TOKENS) if n <= max_batched]
+    _one_step_s(engine, _prompt(gen, vocab, 32))   # warm
+    pre = [statistics.median(_one_step_s(engine, _prompt(gen, vocab, n)) for _ in range(repeats)) for n in lens]
+    # attention over cached context: the same 1,024 tokens, then 128 more after them
+    base = _prompt(gen, vocab, CTX_CACHED)
+    _one_step_s(engine, base)
+    with_ctx = _one_step_s(engine, base + _prompt(gen, vocab, CTX_NEW))
+    plain = statistics.median(_one_step_s(engine, _prompt(gen, vocab, CTX_NEW)) for _ in range(repeats))
+    attn = max(0.0, (with_ctx - plain) / (CTX_NEW * CTX_CACHED))
+    batches = [b for b in (QUICK_BATCHES if quick else DECODE_BATCHES) if b <= max_seqs]
+    steps = 3 if quick else 5
+    dec = [_decode_step_s(engine, [_prompt(gen, vocab, SHORT_PROMPT) for _ in range(b)], steps) for b in batches]
+    b_ctx = min(CTX_BATCH, max_seqs)
+    long = _decode_step_s(engine, [_prompt(gen, vocab, LONG_PROMPT) for _ in range(b_ctx)], steps)
+    short = _decode_step_s(engine, [_prompt(gen, vocab, SHORT_PROMPT) for _ in range(b_ctx)], steps)
+    per_ctx = max(0.0, (long - short) / (b_ctx * (LONG_PROMPT - SHORT_PROMPT)))
+    # the timed steps run a few tokens past the prompt
+    return EngineProfile(threads=engine.runner.num_threads, prefill_tokens=lens, prefill_s=pre,
+                         decode_batch=batches, decode_s=dec, decode_ctx=SHORT_PROMPT + 2,
+                         decode_s_per_ctx_token=per_ctx, attn_s_per_token_ctx=attn)
+
+
+def profile_transfer(block_bytes: int, quick: bool) -> TransferProfile:
+    """NIXL writes of 8 and 128 KV blocks between two processes; one descriptor per block."""
+    from pdserve.bench.transfer_pair import measure_raw
+
+    points = []
+    for blocks in (8, 128):
+        res = measure_raw(block_bytes * blocks, [blocks], repeats=2 if quick else 4)
+        if res.error or not res.patterns:
+            raise RuntimeError(f"the NIXL transfer could not be measured: {res.error}")
+        points.append({"bytes": block_bytes * blocks, "seconds": statistics.median(res.patterns[0].seconds),
+                       "backend": res.backend})
+    (b0, s0), (b1, s1) = [(p["bytes"], p["seconds"]) for p in points]
+    bw = (b1 - b0) / max(s1 - s0, 1e-9)
+    overhead = max(0.0, s0 - b0 / bw)
+    return TransferProfile(overhead_s=overhead, bytes_per_s=bw, measured=points,
+                           how="raw NIXL write between two processes on this host (UCX), one descriptor per "
+                               "block; the workers' handoff adds its control messages")
+
+
+SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS, BUSY_OUT = 128, 16, 6, 160
+
+
+def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
+                    port: int = 8000) -> dict[str, ServingProfile]:
+    """Lone requests through a real ``pdserve up`` of each mode, against the engine's own steps."""
+    import asyncio
+
+    from pdserve.bench.serve_load import GroupSpec, Target, run_load
+    from pdserve.bench.serve_stats import gaps
+    from pdserve.bench.servers import Server
+
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    out: dict[str, ServingProfile] = {}
+    for mode, kind, first_role in (("colocated", "pdserve-colocated", "colocated"),
+                                   ("disaggregated", "pdserve", "prefill")):
+        sets = ["planner.enabled=false", f"model.dtype={dtype}"]
+        if mode == "disaggregated":
+            sets.append("router.disaggregation.mode=always")
+        with Server(kind, model_dir, port=port, extra_set=sets) as server:
+            target = Target("openai", server.url, server.served_model, vocab_size=vocab)
+            warm = GroupSpec("warm", 2, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1, seed=7_777)
+            asyncio.run(run_load(target, [warm], time_limit_s=120))
+            group = GroupSpec("lone", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=SERVED_OUT,
+                              concurrency=1, seed=7_778)
+            res = asyncio.run(run_load(target, [group], time_limit_s=180))
+            busy = None
+            if mode == "disaggregated":
+                # the same prompts while two streams decode on the decode worker
+                bg = GroupSpec("decoding", 2, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT, concurrency=2, seed=7_779)
+                probe = GroupSpec("probe", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1,
+                                  start_delay_s=2.0, seed=7_780)
+                busy = asyncio.run(run_load(target, [bg, probe], time_limit_s=180))
+        ok = [r for r in res.records if r.ok]
+        if len(ok) < SERVED_REQUESTS // 2:
+            raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
+                               f"{res.errors[:3]}")
+        ttft = statistics.median(r.token_times[0] - r.sent for r in ok)
+        itl = statistics.median(g for r in ok for g in gaps(r.token_times))
+        first = engines[str(roles[first_role])].prefill_step_s(SERVED_PROMPT)
+        dec_eng = engines[str(roles["colocated" if mode == "colocated" else "decode"])]
+        step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
+        over = max(0.0, ttft - first)
+        slowdown, busy_how = 1.0, ""
+        if busy is not None:
+            probes = [r for r in busy.records if r.ok and r.group == "probe"]
+            if probes:
+                busy_ttft = statistics.median(r.token_times[0] - r.sent for r in probes)
+                slowdown = max(1.0, (busy_ttft - over) / first)
+                busy_how = (f"; with two streams decoding beside it, TTFT median {busy_ttft * 1e3:.0f} ms: prefill "
+                            f"steps x{slowdown:.2f}")
+        out[mode] = ServingProfile(
+            ttft_overhead_s=over, itl_overhead_s=max(0.0, itl - step), prefill_slowdown=slowdown,
+            start_s=server.start_s,
+            how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: TTFT median "
+                f"{ttft * 1e3:.0f} ms against a {first * 1e3:.0f} ms prefill step; token gap median "
+                f"{itl * 1e3:.1f} ms against a {step * 1e3:.1f} ms decode step{busy_how}")
+        logger.info("served %s: %s", mode, out[mode].how)
+    return out
+
+
+def speed_probe(repeats: int = 7) -> float:
+    """Median seconds of a fixed one-thread workload: fp32 matmuls (compute) and a 64 MB copy
+    (memory bandwidth), the two things engine steps are made of. Run where nothing else of ours
+    computes; the ratio of two probes says how much faster or slower this host is now."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(64, 1024, generator=gen)
+        w = torch.randn(1024, 1024, generator=gen)
+        src = torch.empty(16 << 20)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(8):
+                torch.mm(a, w)
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host() -> dict:
+    from pdserve.bench.hw import cpu_model
+
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = sorted(have & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
+                break
+    except OSError:
+        pass
+    return {"cpu_model": cpu_model(), "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
+            "flags": flags}
+
+
+def run_profile(model_dir: str, *, dtype: str = "auto", threads: tuple[int, ...] | None = None,
+                quick: bool = False, max_seqs: int = 64, max_batched: int = 2048,
+                kv_cache_memory_gb: float = 2.0, transfer: bool = True, served: bool = True,
+                port: int = 8000) -> Profile:
+    t_start = time.perf_counter()
+    probe = speed_probe()
+    threads = threads or default_threads()
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    engines: dict[str, EngineProfile] = {}
+    start_s = 0.0
+    runner_info: dict = {}
+    for t in threads:
+        t0 = time.perf_counter()
+        engine = _engine(model_dir, dtype, t, max_seqs, max_batched, kv_cache_memory_gb)
+        if not start_s:
+            start_s = time.perf_counter() - t0
+        runner_info = {"dtype": engine.runner.dtype_name, "kv_block_bytes": engine.runner.kv_block_bytes,
+                       "num_kv_blocks": engine.runner.num_blocks, "block_size": engine.runner.block_size,
+                       "num_layers": engine.runner.spec.num_layers}
+        logger.info("profiling %s on %d threads", model_dir, t)
+        engines[str(t)] = profile_engine(engine, vocab, quick=quick, max_seqs=max_seqs, max_batched=max_batched)
+        del engine
+    cores = len(os.sched_getaffinity(0))
+    split = str(max(1, cores // 2)) if str(max(1, cores // 2)) in engines else str(min(threads))
+    whole = str(cores) if str(cores) in engines else str(max(threads))
+    block_bytes = int(runner_info["kv_block_bytes"])
+    kv_per_token = block_bytes // int(runner_info["block_size"])
+    xfer = profile_transfer(block_bytes, quick) if transfer else TransferProfile(
+        overhead_s=0.0, bytes_per_s=1e12, how="not measured (--no-transfer): free")
+    roles = {"prefill": int(split), "decode": int(split), "colocated": int(whole)}
+    serving = measure_serving(model_dir, runner_info["dtype"], engines, roles, port) if served else {}
+    return Profile(
+        host=_host(),
+        model={"path": str(model_dir), "name": Path(model_dir).name, "dtype": runner_info["dtype"],
+               "kv_bytes_per_token": kv_per_token, "num_layers": runner_info["num_layers"],
+               "vocab_size": vocab},
+        engine={"block_size": runner_info["block_size"], "max_num_seqs": max_seqs,
+                "max_num_batched_tokens": max_batched, "num_kv_blocks": runner_info["num_kv_blocks"],
+                "kv_cache_memory_gb": kv_cache_memory_gb},
+        engines=engines, roles=roles, transfer=xfer, worker_start_s=start_s, serving=serving,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        profile_wall_s=time.perf_counter() - t_start, speed_probe_s=(probe + speed_probe()) / 2,
+        version=PROFILE_VERSION)
+
+
+def format_profile(p: Profile) -> str:
+    lines = [f"host {p.host.get('cpu_model')} x{p.host.get('cores')}  model {p.model['name']} {p.model['dtype']}  "
+             f"KV {p.kv_bytes_per_token} B/token, {p.kv_capacity_tokens} tokens per worker",
+             f"roles: prefill {p.roles['prefill']} threads, decode {p.roles['decode']}, colocated "
+             f"{p.roles['colocated']}; worker start {p.worker_start_s:.1f} s; profiled in {p.profile_wall_s:.0f} s"]
+    for key, e in p.engines.items():
+        pre = "  ".join(f"{n}:{1e3 * s:.0f}" for n, s in zip(e.prefill_tokens, e.prefill_s))
+        dec = "  ".join(f"{b}:{1e3 * s:.1f}" for b, s in zip(e.decode_batch, e.decode_s))
+        lines += [f"{key} threads  prefill ms by tokens  {pre}",
+                  f"          decode step ms by batch  {dec}",
+                  f"          context: decode +{e.decode_s_per_ctx_token * 1e9:.1f} ns per context token, "
+                  f"prefill +{e.attn_s_per_token_ctx * 1e9:.2f} ns per new x cached token"]
+    t = p.transfer
+    lines.append(f"KV handoff: {t.overhead_s * 1e3:.2f} ms + bytes at {t.bytes_per_s / 1e9:.2f} GB/s ({t.how})")
+    for mode, sp in p.serving.items():
+        lines.append(f"served {mode}: +{sp.ttft_overhead_s * 1e3:.0f} ms to a first token, +{sp.itl_overhead_s * 1e3:.1f} ms "
+                     f"to a token gap; pdserve up {sp.start_s:.0f} s ({sp.how})")
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (Hugging Face format)")
+    p.add_argument("--json", type=Path, required=True, help="write the profile here")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", help="comma-separated thread counts (default: a disaggregated worker's share "
+                   "of this host's cores, and all of them)")
+    p.add_argument("--quick", action="store_true", help="fewer points and repeats (tests)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV cache per worker, as the workers run")
+    p.add_argument("--no-transfer", action="store_true", help="skip the NIXL handoff measurement (counted free)")
+    p.add_argument("--no-served", action="store_true", help="skip the served overheads (no `pdserve up`; counted 0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the served measurement (127.0.0.1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.errors import InvalidRequestError
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise InvalidRequestError(f"--model {args.model}: no config.json there (a Hugging Face model directory)")
+    try:
+        threads = tuple(int(x) for x in args.threads.split(",")) if args.threads else None
+    except ValueError:
+        raise InvalidRequestError(f"--threads takes comma-separated integers, got {args.threads!r}") from None
+    if threads and min(threads) < 1:
+        raise InvalidRequestError("--threads: every count must be >= 1")
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < args.max_num_seqs:
+        raise InvalidRequestError("need --max-num-seqs >= 1 and --max-num-batched-tokens >= --max-num-seqs")
+    prof = run_profile(args.model, dtype=args.dtype, threads=threads, quick=args.quick,
+                       max_seqs=args.max_num_seqs, max_batched=args.max_num_batched_tokens,
+                       kv_cache_memory_gb=args.kv_cache_memory_gb, transfer=not args.no_transfer,
+                       served=not args.no_served, port=args.port)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(args.json)
+    print(format_profile(prof))
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0

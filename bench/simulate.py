@@ -1,0 +1,223 @@
+"""``pdserve bench simulate``: the simulator against real runs on this host, and its speed.
+
+    pdserve bench simulate --json sim.json [--profile FILE] [--rates 0.5,1.5,2.5] [--num-prompts 40]
+
+1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~2 minutes).
+2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
+   one prefill and one decode worker, ``disaggregation.mode: always``; the planner off, so the
+   shape is the one simulated), a short warm-up, then at each rate ``--num-prompts`` streamed
+   completions of ``--prompt-len`` random tokens and ``--output-len`` tokens (Poisson arrivals,
+   ``ignore_eos``), measured from the client as ``bench serve`` does.
+3. The same requests simulated: the arrival times the client really used, the same lengths,
+   the same shape. This host is shared and its speed drifts by tens of percent within minutes,
+   so before each load a one-thread CPU probe (``bench/profile.py``'s ``speed_probe``, also taken
+   when the profile was) scales the profile's step times to the host's speed now; the errors of
+   the unscaled profile are reported too (``sim_error_*_unscaled``).
+4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
+   the largest over every mode and rate (each run's own errors are kept beside them); with
+   ``--repeats 2`` or more, each load runs that many times and ``real_spread_*`` says how far
+   the real runs of one load are from each other (max - min over their mean); and
+   ``sim_1m_requests_s``: the wall time of simulating 1,000,000 requests over 1,000 workers
+   (300 prefill + 700 decode) on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "throughput")
+MODES = {"colocated": "pdserve-colocated", "disaggregated": "pdserve"}
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates takes comma-separated numbers, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("--rates: at least one rate, each > 0")
+    return rates
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, required=True, help="write the result here")
+    p.add_argument("--profile", type=Path, help="a `pdserve profile` JSON of --model-dir (default: profile it now)")
+    p.add_argument("--model-dir", help="model directory (default: the generated small model)")
+    p.add_argument("--rates", type=_rates, default=[0.5, 1.5, 2.5], help="Poisson request rates, requests/s")
+    p.add_argument("--modes", default="colocated,disaggregated", help="comma-separated: colocated, disaggregated")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit-s", type=float, default=300.0, help="each load stops by itself after this")
+    p.add_argument("--skip-1m", action="store_true", help="do not time the 1,000,000-request simulation")
+    p.add_argument("--repeats", type=int, default=1, help="real loads per mode and rate (the same arrivals); with 2+, "
+                   "the real runs' own spread is reported beside the simulator's error")
+
+
+def real_figures(records: list) -> dict:
+    from pdserve.bench.serve_stats import gaps, percentile
+
+    ok = [r for r in records if r.ok]
+    ttft = [r.token_times[0] - r.sent for r in ok]
+    itl = [g for r in ok for g in gaps(r.token_times)]
+    span = max(r.token_times[-1] for r in ok) - min(r.sent for r in ok)
+    return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
+            "itl_p99": percentile(itl, 99), "throughput": sum(len(r.token_times) for r in ok) / span,
+            "completed": len(ok), "failed": len(records) - len(ok)}
+
+
+def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
+    from pdserve.capacity.simulate import ClusterShape, simulate
+
+    sent = [r for r in records if r.sent is not None]
+    t0 = min(r.sent for r in sent)
+    order = sorted(sent, key=lambda r: r.sent)
+    arrivals = np.array([r.sent - t0 for r in order])
+    prompt = np.array([r.prompt_len for r in order])
+    output = np.array([r.output_len for r in order])
+    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s)
+    res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), output)
+    s = res.summary()
+    return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"], "itl_p50": s["itl_s"]["p50"],
+            "itl_p99": s["itl_s"]["p99"], "throughput": s["output_tokens_per_s"], "sim_wall_s": s["sim_wall_s"]}
+
+
+def errors(real: dict, sim: dict) -> dict:
+    return {m: (abs(sim[m] - real[m]) / real[m] if real.get(m) and sim.get(m) is not None else None) for m in METRICS}
+
+
+def time_1m(profile) -> dict:
+    """1,000,000 requests (the profile's shape of traffic: 128 in / 64 out) over 300 prefill and
+    700 decode workers, at a rate that keeps them busy."""
+    from pdserve.capacity.simulate import ClusterShape, simulate
+    from pdserve.capacity.traffic import Traffic
+
+    pre = profile.role("prefill")
+    per_prefill = 0.7 / pre.prefill_step_s(128)
+    traffic = Traffic.parse({"rate": round(300 * per_prefill, 3), "prompt_len": {"mean": 128, "dist": "lognormal",
+                             "max": 2048}, "output_len": {"mean": 64, "dist": "exponential", "max": 1024},
+                             "requests": 1_000_000})
+    arrays = traffic.draw()
+    t0 = time.perf_counter()
+    res = simulate(profile, ClusterShape("disaggregated", 300, 700), *arrays)
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 2), "rate": traffic.rate, "events": res.events, **{
+        k: v for k, v in res.summary().items() if k in ("output_tokens_per_s", "ttft_s", "itl_s")}}
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    from pdserve.bench.hw import cpu_model
+    from pdserve.bench.profile import format_profile, run_profile, speed_probe
+    from pdserve.bench.serve_load import GroupSpec, Target, run_load
+    from pdserve.bench.servers import Server
+    from pdserve.capacity.profile import Profile
+
+    model_dir = args.model_dir
+    if not model_dir:
+        from pdserve.engine.testmodel import ensure_model
+
+        model_dir = str(ensure_model("small"))
+    started = time.monotonic()
+    if args.profile and args.profile.exists():
+        profile = Profile.load(args.profile)
+    else:
+        print("profiling the model first (pdserve profile)", flush=True)
+        profile = run_profile(model_dir)
+        if args.profile:
+            profile.save(args.profile)
+    print(format_profile(profile), flush=True)
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    itl_target_s = 0.1   # slo.itl_ms's default: the decode workers' ITL budget
+    runs = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode not in MODES:
+            raise ValueError(f"--modes: unknown mode {mode!r} (colocated, disaggregated)")
+        sets = ["planner.enabled=false", f"model.dtype={profile.model['dtype']}"]
+        if mode == "disaggregated":
+            sets.append("router.disaggregation.mode=always")
+        with Server(MODES[mode], model_dir, port=args.port, extra_set=sets) as server:
+            target = Target("openai", server.url, server.served_model, vocab_size=vocab)
+            warm = GroupSpec("warm", 4, prompt_len=args.prompt_len, output_len=8, concurrency=2, seed=99_999)
+            asyncio.run(run_load(target, [warm], time_limit_s=120))
+            for i, rate in enumerate(args.rates):
+                group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
+                                  rate=rate, seed=args.seed + i)
+                reals, sims, plain, factors = [], [], [], []
+                for _ in range(max(1, args.repeats)):
+                    # this host's speed now against when the profile was taken (the server is idle)
+                    factor = speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0
+                    factors.append(factor)
+                    result = asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s))
+                    reals.append(real_figures(result.records))
+                    sims.append(sim_figures(profile.scaled(factor), mode, result.records, itl_target_s))
+                    plain.append(sim_figures(profile, mode, result.records, itl_target_s))
+                real = {m: float(np.mean([r[m] for r in reals])) for m in METRICS}
+                sim = {m: float(np.mean([x[m] for x in sims])) for m in METRICS}
+                sim_plain = {m: float(np.mean([x[m] for x in plain])) for m in METRICS}
+                err = errors(real, sim)
+                run = {"mode": mode, "rate": rate, "real": real, "sim": sim, "error": err,
+                       "speed_factors": factors, "error_unscaled": errors(real, sim_plain),
+                       "real_runs": reals, "sim_runs": sims}
+                if len(reals) > 1:   # how far one real run is from another: the floor under any model's error
+                    run["real_spread"] = {m: (max(r[m] for r in reals) - min(r[m] for r in reals)) / real[m]
+                                          for m in METRICS}
+                runs.append(run)
+                print(f"{mode:13s} {rate:5.2f} req/s  real/sim  TTFT p50 {real['ttft_p50'] * 1e3:6.0f}/{sim['ttft_p50'] * 1e3:6.0f} ms"
+                      f"  p99 {real['ttft_p99'] * 1e3:6.0f}/{sim['ttft_p99'] * 1e3:6.0f}  ITL p50 "
+                      f"{real['itl_p50'] * 1e3:5.0f}/{sim['itl_p50'] * 1e3:5.0f}  p99 {real['itl_p99'] * 1e3:5.0f}/"
+                      f"{sim['itl_p99'] * 1e3:5.0f}  tok/s {real['throughput']:6.1f}/{sim['throughput']:6.1f}  "
+                      f"errors " + " ".join(f"{k} {v:.2f}" for k, v in err.items() if v is not None)
+                      + f"  (host speed x{np.mean(factors):.2f} of the profile's)", flush=True)
+    out: dict = {"benchmark": "simulate", "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                 "host": cpu_model(), "model_dir": model_dir, "profile": profile.to_dict(),
+                 "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                          "output_len": args.output_len, "rates": args.rates}, "runs": runs}
+    for m in METRICS:
+        vals = [r["error"][m] for r in runs if r["error"][m] is not None]
+        out[f"sim_error_{m}"] = max(vals) if vals else None
+        out[f"sim_error_{m}_median"] = float(np.median(vals)) if vals else None
+        plain = [r["error_unscaled"][m] for r in runs if r["error_unscaled"][m] is not None]
+        out[f"sim_error_{m}_unscaled"] = max(plain) if plain else None
+        spread = [r["real_spread"][m] for r in runs if "real_spread" in r]
+        if spread:
+            out[f"real_spread_{m}"] = max(spread)
+    if not args.skip_1m:
+        one_m = time_1m(profile)
+        out["sim_1m"] = one_m
+        out["sim_1m_requests_s"] = one_m["wall_s"]
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def format_table(out: dict) -> str:
+    lines = [f"host {out['host']}"]
+    for m in METRICS:
+        v, med = out.get(f"sim_error_{m}"), out.get(f"sim_error_{m}_median")
+        if v is not None:
+            spread = out.get(f"real_spread_{m}")
+            lines.append(f"sim_error_{m:10s} {v:.3f} (largest of {len(out['runs'])} runs; median {med:.3f})"
+                         + (f"; real runs differ by up to {spread:.3f}" if spread is not None else ""))
+    if "sim_1m_requests_s" in out:
+        lines.append(f"sim_1m_requests_s   {out['sim_1m_requests_s']:.1f} s (1,000,000 requests, 300 prefill + 700 decode)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.common import run_and_save
+
+    if args.num_prompts < 2:
+        print("bench simulate: error: --num-prompts must be >= 2", flush=True)
+        return 2
+    return 0 if run_and_save("simulate", args, lambda a: a, run_bench, format_table) else 1

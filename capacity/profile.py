@@ -1,0 +1,225 @@
+"""The measured cost model of one model on one kind of host: what ``pdserve profile`` writes and
+what ``plan``, ``simulate`` and the planner read.
+
+A profile is versioned JSON (``PROFILE_VERSION``). It holds raw measurements, not fitted
+constants, and derives the costs from them the same way every time:
+
+* ``prefill_s(n, ctx)``: one engine step that processes ``n`` prompt tokens (one prompt or
+  several) after ``ctx`` tokens already in the cache: the measured step times against ``n``
+  interpolated piecewise-linearly (extrapolated linearly beyond the last point), plus
+  ``attn_s_per_token_ctx * n * ctx`` for attending over cached context.
+* ``decode_s(b, ctx_total)``: one decode step of ``b`` sequences whose contexts sum to
+  ``ctx_total`` tokens: the step time at the short measured context, interpolated over the
+  batch sizes, plus ``decode_s_per_ctx_token * (ctx_total - b * short_ctx)``.
+* ``mixed_s(b, ctx_total, n)``: a colocated step that decodes ``b`` sequences and prefills ``n``
+  prompt tokens: the decode step plus the prefill step's cost beyond one sampled token.
+* ``transfer_s(nbytes)``: a KV handoff: a per-transfer overhead plus bytes over bandwidth.
+
+Engines are profiled per thread count (a disaggregated worker on a 2-core host computes on 1
+thread, the colocated worker on 2); ``roles`` says which thread count each role uses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROFILE_VERSION = 1
+ROLES = ("prefill", "decode", "colocated")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (wrong version, missing role, bad numbers)."""
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through the points, extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _check_points(name: str, xs: list[float], ys: list[float]) -> None:
+    if not xs or len(xs) != len(ys):
+        raise ProfileError(f"{name}: needs as many measured points as sizes, and at least one")
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise ProfileError(f"{name}: sizes must increase, got {xs}")
+    if any(y <= 0 for y in ys):
+        raise ProfileError(f"{name}: every measured time must be > 0")
+
+
+@dataclass(slots=True)
+class EngineProfile:
+    """One engine's step costs at one thread count (all times in seconds)."""
+
+    threads: int
+    prefill_tokens: list[int]
+    prefill_s: list[float]
+    decode_batch: list[int]
+    decode_s: list[float]                 # at decode_ctx tokens of context per sequence
+    decode_ctx: int
+    decode_s_per_ctx_token: float = 0.0   # per token of context summed over the batch
+    attn_s_per_token_ctx: float = 0.0     # prefill: per new token per cached-context token
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ProfileError(f"threads must be >= 1, got {self.threads}")
+        _check_points("prefill", self.prefill_tokens, self.prefill_s)
+        _check_points("decode", self.decode_batch, self.decode_s)
+        if self.decode_s_per_ctx_token < 0 or self.attn_s_per_token_ctx < 0:
+            raise ProfileError("context costs must be >= 0")
+
+    def prefill_step_s(self, n: int, ctx: int = 0) -> float:
+        return max(1e-6, _interp(self.prefill_tokens, self.prefill_s, n)) + self.attn_s_per_token_ctx * n * ctx
+
+    def decode_step_s(self, b: int, ctx_total: float) -> float:
+        base = _interp(self.decode_batch, self.decode_s, b)
+        return max(1e-6, base + self.decode_s_per_ctx_token * max(0.0, ctx_total - b * self.decode_ctx))
+
+    def mixed_step_s(self, b: int, ctx_total: float, n: int) -> float:
+        if b == 0:
+            return self.prefill_step_s(n)
+        if n == 0:
+            return self.decode_step_s(b, ctx_total)
+        extra = self.prefill_step_s(n) - self.decode_step_s(1, self.decode_ctx)
+        return self.decode_step_s(b, ctx_total) + max(0.0, extra)
+
+    def decode_tokens_per_s(self, b: int, ctx_per_seq: float) -> float:
+        return b / self.decode_step_s(b, b * ctx_per_seq)
+
+    def prefill_tokens_per_s(self, n: int) -> float:
+        return n / self.prefill_step_s(n)
+
+
+@dataclass(slots=True)
+class TransferProfile:
+    """A KV handoff between a prefill and a decode worker: ``overhead_s + nbytes / bytes_per_s``."""
+
+    overhead_s: float
+    bytes_per_s: float
+    measured: list[dict] = field(default_factory=list)   # {"bytes", "seconds"} behind the fit
+    how: str = ""
+
+    def __post_init__(self) -> None:
+        if self.overhead_s < 0 or self.bytes_per_s <= 0:
+            raise ProfileError("transfer: overhead_s must be >= 0 and bytes_per_s > 0")
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.overhead_s + nbytes / self.bytes_per_s
+
+
+@dataclass(slots=True)
+class ServingProfile:
+    """What a served request costs beyond the engine's steps (HTTP, the router, Ray calls, the
+    KV handoff's control messages, streaming), measured on lone requests through a real
+    ``pdserve up`` of one mode: added to every first token, and to every later token's gap."""
+
+    ttft_overhead_s: float = 0.0
+    itl_overhead_s: float = 0.0
+    # disaggregated: a prefill step while the decode worker computes beside it, over the step alone
+    # (the cores' shared caches and memory bandwidth, the router streaming): multiplies prefill steps
+    prefill_slowdown: float = 1.0
+    start_s: float = 0.0          # `pdserve up` until the pools answered
+    how: str = ""
+
+
+@dataclass(slots=True)
+class Profile:
+    host: dict
+    model: dict                      # name, dtype, kv_bytes_per_token, num_layers, ...
+    engine: dict                     # block_size, max_num_seqs, max_num_batched_tokens, num_kv_blocks
+    engines: dict[str, EngineProfile]  # by thread count, as a string key
+    roles: dict[str, int]            # role -> threads
+    transfer: TransferProfile
+    worker_start_s: float = 0.0
+    serving: dict[str, ServingProfile] = field(default_factory=dict)   # "colocated" | "disaggregated"
+    created: str = ""
+    profile_wall_s: float = 0.0
+    # seconds of a fixed CPU workload (matmuls and a copy, one thread) when the profile was taken:
+    # on a shared host, ``scaled(probe_now / speed_probe_s)`` carries the profile to the speed it
+    # runs at now
+    speed_probe_s: float = 0.0
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise ProfileError(f"profile version {self.version}; this pdserve reads version {PROFILE_VERSION} "
+                               "(run `pdserve profile` again)")
+        for role in ROLES:
+            if role not in self.roles:
+                raise ProfileError(f"roles: no thread count for {role!r}")
+            if str(self.roles[role]) not in self.engines:
+                raise ProfileError(f"roles: {role} runs on {self.roles[role]} threads, which were not profiled")
+        for key in ("kv_bytes_per_token",):
+            if not self.model.get(key, 0) > 0:
+                raise ProfileError(f"model.{key} must be > 0")
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
+            if not int(self.engine.get(key, 0)) > 0:
+                raise ProfileError(f"engine.{key} must be > 0")
+
+    def scaled(self, factor: float) -> Profile:
+        """This profile with every engine step ``factor`` times as long (served overheads and the
+        handoff unchanged)."""
+        if factor <= 0:
+            raise ProfileError(f"scale factor must be > 0, got {factor}")
+        d = self.to_dict()
+        for e in d["engines"].values():
+            e["prefill_s"] = [x * factor for x in e["prefill_s"]]
+            e["decode_s"] = [x * factor for x in e["decode_s"]]
+            e["decode_s_per_ctx_token"] *= factor
+            e["attn_s_per_token_ctx"] *= factor
+        return Profile.from_dict(d)
+
+    def serving_for(self, mode: str) -> ServingProfile:
+        """The served overheads of a simulated mode ("conditional" runs the disaggregated path)."""
+        return self.serving.get("colocated" if mode == "colocated" else "disaggregated", ServingProfile())
+
+    def role(self, role: str) -> EngineProfile:
+        return self.engines[str(self.roles[role])]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.model["kv_bytes_per_token"])
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return int(self.engine["num_kv_blocks"]) * int(self.engine["block_size"])
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        try:
+            return cls(host=d["host"], model=d["model"], engine=d["engine"],
+                       engines={k: EngineProfile(**v) for k, v in d["engines"].items()},
+                       roles={k: int(v) for k, v in d["roles"].items()},
+                       transfer=TransferProfile(**d["transfer"]),
+                       worker_start_s=float(d.get("worker_start_s", 0.0)),
+                       serving={k: ServingProfile(**v) for k, v in d.get("serving", {}).items()},
+                       created=d.get("created", ""), profile_wall_s=float(d.get("profile_wall_s", 0.0)),
+                       speed_probe_s=float(d.get("speed_probe_s", 0.0)),
+                       version=int(d.get("version", 0)))
+        except (KeyError, TypeError) as exc:
+            raise ProfileError(f"not a pdserve profile: {exc}") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            d = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile {path} is not JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise ProfileError(f"profile {path}: expected a JSON object")
+        return cls.from_dict(d)

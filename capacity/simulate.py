@@ -1,0 +1,435 @@
+"""A discrete-event simulation of a pdserve cluster, from a profile and a traffic description.
+
+What it models, as pdserve runs (``docs/capacity.md`` says what it leaves out):
+
+* The router: each request goes to the prefill worker with the fewest uncached prompt tokens
+  queued (the prefix share is assumed cached wherever the prompt lands) and to the decode worker
+  with the fewest requests routed to it and not finished; in ``conditional`` mode a prompt whose
+  uncached part is at most ``local_prefill_max_tokens`` is prefilled on its decode worker.
+* Engine steps: a worker with prompt tokens queued runs one step at a time, taking up to
+  ``max_num_batched_tokens`` (less its decoding sequences, and on a disaggregated decode worker
+  less than the ITL budget allows) of them, chunking a long prompt across steps; the step costs
+  the profile's mixed step. A prompt's first token comes at the end of the step that finished it.
+* The KV handoff: the decode worker receives the request ``transfer_s(prompt KV bytes)`` after the
+  first token and admits it at its next step boundary.
+* Continuous batching: a decode worker admits waiting sequences at every step boundary while it
+  has fewer than ``max_num_seqs`` running and KV blocks for the sequence's whole length; each
+  step gives every running sequence a token. Between two events (an arrival, a finish) nothing
+  changes but the context, so a worker jumps over all the steps between them at once: the step
+  time grows linearly with the summed context, and the time of the k-th step has a closed form.
+  This keeps the event count near five per request, whatever the output lengths.
+
+The result holds the percentiles ``pdserve bench serve`` reports: TTFT, ITL (every gap between
+two tokens of a stream, pooled), end-to-end latency, and output tokens/s over the run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from pdserve.capacity.profile import EngineProfile, Profile
+
+Mode = Literal["disaggregated", "conditional", "colocated"]
+
+_ARRIVE, _BOUNDARY, _READY = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    """What is simulated: ``prefill`` and ``decode`` replicas (``colocated``: ``decode`` workers
+    that do both phases, ``prefill`` must be 0) and the engine limits each replica runs with."""
+
+    mode: Mode
+    prefill: int
+    decode: int
+    max_num_seqs: int | None = None              # default: the profile's
+    max_num_batched_tokens: int | None = None    # default: the profile's
+    local_prefill_max_tokens: int = 64           # conditional mode
+    itl_target_s: float | None = 0.1             # decode workers' ITL budget for local prefills
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "conditional", "colocated"):
+            raise ValueError(f"mode must be disaggregated, conditional or colocated, got {self.mode!r}")
+        if self.decode < 1:
+            raise ValueError("at least one decode (or colocated) worker")
+        if self.mode == "colocated" and self.prefill:
+            raise ValueError("colocated: every worker does both phases; give --prefill 0")
+        if self.mode != "colocated" and self.prefill < 1:
+            raise ValueError(f"{self.mode}: at least one prefill worker")
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: int
+    span_s: float
+    output_tokens: int
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    itl_values: np.ndarray
+    itl_weights: np.ndarray
+    wall_s: float
+    events: int
+    queued_at_end: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.span_s if self.span_s > 0 else 0.0
+
+    def itl_percentile(self, q: float) -> float | None:
+        if not len(self.itl_values):
+            return None
+        order = np.argsort(self.itl_values, kind="stable")
+        v, w = self.itl_values[order], self.itl_weights[order]
+        cum = np.cumsum(w)
+        idx = int(np.searchsorted(cum, q / 100.0 * cum[-1], side="left"))
+        return float(v[min(idx, len(v) - 1)])
+
+    def summary(self) -> dict:
+        def pct(xs: np.ndarray, q: float) -> float | None:
+            return float(np.percentile(xs, q)) if len(xs) else None
+
+        return {
+            "requests": self.requests, "span_s": round(self.span_s, 3), "output_tokens": self.output_tokens,
+            "output_tokens_per_s": round(self.output_tokens_per_s, 3),
+            "ttft_s": {f"p{q}": pct(self.ttft_s, q) for q in (50, 90, 99)},
+            "itl_s": {f"p{q}": self.itl_percentile(q) for q in (50, 90, 99)},
+            "e2e_s": {f"p{q}": pct(self.e2e_s, q) for q in (50, 90, 99)},
+            "sim_wall_s": round(self.wall_s, 3), "events": self.events, "notes": self.notes,
+        }
+
+
+def _mean_gap(b: int, joined: int, m: int, D0: float, g: float) -> float:
+    """Mean token gap of an interval of ``m`` steps (the j-th lasting ``D0 + g * j``) of ``b``
+    sequences, ``joined`` of which have their first gap recorded apart (they miss step 0)."""
+    n = b * m - joined
+    if n <= 0:
+        return D0
+    elapsed = m * D0 + g * m * (m - 1) / 2
+    return (b * elapsed - joined * D0) / n
+
+
+class _Worker:
+    __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "pq_tokens", "version",
+                 "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec")
+
+    def __init__(self, idx: int, role: str, kv_tokens: int) -> None:
+        self.idx, self.role = idx, role
+        self.T = 0.0          # time of the last step boundary processed
+        self.S = 0            # steps done by then
+        self.b = 0            # running (decoding) sequences
+        self.C = 0.0          # their contexts, summed
+        self.fin: list = []   # heap of (finish step, request)
+        self.wait: deque = deque()   # decode sequences waiting for a slot or KV
+        self.pq: deque = deque()     # prompts to prefill: [request, tokens left]
+        self.pq_tokens = 0
+        self.version = 0
+        self.next_t = math.inf       # the one valid boundary event scheduled, if any
+        self.next_kind = ""          # "interval" or "step"
+        self.m = 0                   # interval: steps until next_t
+        self.D0 = 0.0                # interval: first step's time, and its growth per step
+        self.g = 0.0
+        self.kv_free = kv_tokens
+        self.joined: list = []       # sequences admitted at the last boundary (their first gap)
+        self.busy = False
+        self.step_chunks: list = []  # the running step's prefill chunks: (queue item, tokens, last, done before)
+        self.rec = -1                # index of the running interval's ITL record
+
+
+class Simulator:
+    """One run: ``Simulator(profile, shape).run(arrivals, prompt, cached, output)``."""
+
+    def __init__(self, profile: Profile, shape: ClusterShape) -> None:
+        self.profile, self.shape = profile, shape
+        eng = profile.engine
+        self.max_seqs = int(shape.max_num_seqs or eng["max_num_seqs"])
+        self.max_batched = int(shape.max_num_batched_tokens or eng["max_num_batched_tokens"])
+        self.block = int(eng["block_size"])
+        self.kv_tokens = profile.kv_capacity_tokens
+        self.kv_bytes = profile.kv_bytes_per_token
+        colocated = shape.mode == "colocated"
+        self.pe = profile.role("prefill")
+        self.de = profile.role("colocated" if colocated else "decode")
+        served = profile.serving_for(shape.mode)
+        self.prefill_slow = served.prefill_slowdown if shape.mode != "colocated" else 1.0
+        self.ttft_over = served.ttft_overhead_s
+        self.itl_over = served.itl_overhead_s
+        # decode step time = A[b] + kc * C (C: contexts summed over the batch)
+        self.kc = self.de.decode_s_per_ctx_token
+        self.A = [0.0] + [self.de.decode_step_s(b, b * self.de.decode_ctx) - self.kc * b * self.de.decode_ctx
+                          for b in range(1, self.max_seqs + 1)]
+
+    # ------------------------------------------------------------------ costs
+    @staticmethod
+    def _prefill_cost(eng: EngineProfile, chunks: list, b: int, C: float) -> float:
+        n = sum(c[1] for c in chunks)  # c: (queue item, tokens, last, tokens done before)
+        attn = eng.attn_s_per_token_ctx * sum(c[1] * c[3] for c in chunks)
+        return eng.mixed_step_s(b, C, n) + attn
+
+    def _itl_budget(self, w: _Worker) -> int | None:
+        """A disaggregated decode worker's prompt tokens per step beside its decodes (ItlBudget)."""
+        if w.role != "decode" or self.shape.itl_target_s is None or w.b == 0:
+            return None
+        spare = self.shape.itl_target_s - (self.A[w.b] + self.kc * w.C)
+        rate = self.de.prefill_tokens_per_s(self.max_batched)
+        return max(self.block, min(self.max_batched, int(spare * rate)))
+
+    # ------------------------------------------------------------------ run
+    def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray) -> SimResult:
+        t_wall = time.perf_counter()
+        shape = self.shape
+        n = len(arrivals)
+        if not (len(prompt) == len(cached) == len(output) == n):
+            raise ValueError("arrivals, prompt, cached and output must have one entry per request")
+        arr = arrivals.tolist()
+        pl = prompt.tolist()
+        cl = cached.tolist()
+        ol = output.tolist()
+        ttft = [math.nan] * n
+        first_t = [0.0] * n
+        e2e = [math.nan] * n
+        dworker = [0] * n
+        itl_v: list[float] = []
+        itl_w: list[float] = []
+        colocated = shape.mode == "colocated"
+        pw = [_Worker(i, "prefill", 1 << 62) for i in range(shape.prefill)]
+        dw = [_Worker(i, "colocated" if colocated else "decode", self.kv_tokens) for i in range(shape.decode)]
+        p_load = np.zeros(max(1, shape.prefill), dtype=np.int64)
+        d_load = np.zeros(shape.decode, dtype=np.int64)
+        heap: list = []
+        push, pop = heapq.heappush, heapq.heappop
+        seq = 0
+        events = 0
+        local_max = shape.local_prefill_max_tokens if shape.mode == "conditional" else -1
+        max_seqs, max_batched, block = self.max_seqs, self.max_batched, self.block
+        A, kc, itl_over = self.A, self.kc, self.itl_over
+        de, pe = self.de, self.pe
+        kv_bytes, transfer_s = self.kv_bytes, self.profile.transfer.transfer_s
+        ttft_over = self.ttft_over
+        prefill_slow = self.prefill_slow
+        out_tokens = 0
+        last_end = 0.0
+
+        def schedule(w: _Worker, t: float, kind: str) -> None:
+            nonlocal seq
+            w.version += 1
+            w.next_t, w.next_kind = t, kind
+            seq += 1
+            push(heap, (t, seq, _BOUNDARY, w.role == "prefill", w.idx, w.version))
+
+        def kv_need(r: int) -> int:
+            return -(-(pl[r] + ol[r]) // block) * block
+
+        def start(w: _Worker, t: float) -> None:
+            """At a boundary at ``t``: admit, then schedule the next step or interval."""
+            w.T = t
+            # admit waiting decode sequences (FIFO; the head blocks the rest, as the scheduler does)
+            joined = w.joined
+            joined.clear()
+            while w.wait and w.b < max_seqs:
+                r = w.wait[0]
+                need = kv_need(r)
+                if need > w.kv_free:
+                    break
+                w.wait.popleft()
+                w.kv_free -= need
+                w.b += 1
+                w.C += pl[r] + 1
+                push(w.fin, (w.S + ol[r] - 1, r))
+                joined.append(r)
+            if w.pq:
+                # one step with prompt chunks beside the running decodes
+                budget = max_batched - w.b
+                cap = self._itl_budget(w)
+                if cap is not None:
+                    budget = min(budget, cap)
+                chunks = []
+                slots = max_seqs - w.b
+                for item in w.pq:
+                    if budget <= 0 or slots <= 0:
+                        break
+                    r, left = item[0], item[1]
+                    if w.role != "prefill" and left == pl[r] - cl[r]:
+                        # a new prompt needs its slot and KV before it starts
+                        need = kv_need(r)
+                        if need > w.kv_free:
+                            break
+                        w.kv_free -= need
+                        item.append(need)
+                    k = min(left, budget)
+                    done_before = pl[r] - left
+                    chunks.append((item, k, k == left, done_before))
+                    budget -= k
+                    slots -= 1
+                eng = pe if w.role == "prefill" else de
+                if chunks:
+                    d = self._prefill_cost(eng, chunks, w.b, w.C)
+                    if w.role == "prefill":
+                        d *= prefill_slow
+                    w.step_chunks = chunks
+                    for r in joined:
+                        itl_v.append(t - first_t[r] + d + itl_over)
+                        itl_w.append(1.0)
+                    if w.b - len(joined) > 0:
+                        itl_v.append(d + itl_over)
+                        itl_w.append(float(w.b - len(joined)))
+                    w.busy = True
+                    schedule(w, t + d, "step")
+                    return
+            w.step_chunks = []
+            if w.b == 0:
+                w.busy = False
+                w.next_t = math.inf
+                w.version += 1
+                return
+            # decode-only: jump to the next finish
+            D0 = A[w.b] + kc * w.C
+            g = kc * w.b
+            m = w.fin[0][0] - w.S
+            w.D0, w.g, w.m = D0, g, m
+            for r in joined:
+                itl_v.append(t - first_t[r] + D0 + itl_over)
+                itl_w.append(1.0)
+            w.rec = len(itl_v)
+            itl_v.append(_mean_gap(w.b, len(joined), m, D0, g) + itl_over)
+            itl_w.append(float(max(0, w.b * m - len(joined))))
+            w.busy = True
+            schedule(w, t + m * D0 + g * m * (m - 1) / 2, "interval")
+
+        def wake(w: _Worker, t: float) -> None:
+            """Work arrived at ``t``: an idle worker starts now; a worker inside a decode interval
+            stops at the end of the step running at ``t``."""
+            if not w.busy:
+                start(w, t)
+                return
+            if w.next_kind != "interval":
+                return   # a single step runs: its end is the next boundary
+            # steps of the interval finished by t: E(j) <= t - T
+            el = t - w.T
+            D0, g = w.D0, w.g
+            if g > 0:
+                j = int((-(D0 - g / 2) + math.sqrt((D0 - g / 2) ** 2 + 2 * g * el)) / g)
+            else:
+                j = int(el / D0)
+            j = min(j + 1, w.m)
+            tb = w.T + j * D0 + g * j * (j - 1) / 2
+            if tb < w.next_t - 1e-12:
+                # the interval's ITL record assumed m steps of this batch: it ran j of them
+                itl_v[w.rec] = _mean_gap(w.b, len(w.joined), j, D0, g) + itl_over
+                itl_w[w.rec] = float(max(0, w.b * j - len(w.joined)))
+                w.m = j
+                schedule(w, tb, "interval")
+
+        def boundary(w: _Worker, t: float) -> None:
+            nonlocal out_tokens, last_end, seq
+            if w.next_kind == "interval":
+                m = w.m
+                w.S += m
+                w.C += w.b * m
+            else:
+                w.S += 1
+                w.C += w.b
+                for item, k, last, _ in w.step_chunks:
+                    r = item[0]
+                    item[1] -= k
+                    w.pq_tokens -= k
+                    if w.role == "prefill":
+                        p_load[w.idx] -= k
+                    if last:
+                        if w.pq[0] is item:
+                            w.pq.popleft()
+                        else:
+                            w.pq.remove(item)
+                        ttft[r] = t - arr[r] + ttft_over
+                        first_t[r] = t
+                        if ol[r] <= 1:
+                            e2e[r] = ttft[r]
+                            out_tokens += 1
+                            last_end = max(last_end, t)
+                            d_load[dworker[r]] -= 1
+                            if w.role != "prefill":
+                                w.kv_free += item[2]
+                            continue
+                        if w.role == "prefill":
+                            seq += 1
+                            push(heap, (t + transfer_s(pl[r] * kv_bytes), seq, _READY, False, dworker[r], r))
+                        else:
+                            # prefilled here: decodes from the next step; its KV is already reserved
+                            w.kv_free += item[2]
+                            w.wait.appendleft(r)
+            # finishes at this boundary
+            fin = w.fin
+            while fin and fin[0][0] <= w.S:
+                _, r = pop(fin)
+                w.b -= 1
+                w.C -= pl[r] + ol[r]
+                w.kv_free += kv_need(r)
+                e2e[r] = t - arr[r] + ttft_over
+                out_tokens += ol[r]
+                last_end = max(last_end, t)
+                d_load[dworker[r]] -= 1
+            if w.b == 0:
+                w.C = 0.0
+            start(w, t)
+
+        i = 0
+        t_next_arrival = arr[0] if n else math.inf
+        while True:
+            if heap and heap[0][0] <= t_next_arrival:
+                t, _, kind, is_p, idx, extra = pop(heap)
+                events += 1
+                if kind == _BOUNDARY:
+                    w = pw[idx] if is_p else dw[idx]
+                    if extra != w.version:
+                        continue
+                    boundary(w, t)
+                else:   # _READY: KV arrived at decode worker idx for request extra
+                    w = dw[idx]
+                    w.wait.append(extra)
+                    wake(w, t)
+                continue
+            if i >= n:
+                break
+            # an arrival
+            t = t_next_arrival
+            r = i
+            i += 1
+            t_next_arrival = arr[i] if i < n else math.inf
+            events += 1
+            d = int(d_load.argmin()) if len(d_load) > 1 else 0
+            d_load[d] += 1
+            dworker[r] = d
+            uncached = pl[r] - cl[r]
+            if colocated or uncached <= local_max:
+                w = dw[d]
+            else:
+                p = int(p_load.argmin()) if len(p_load) > 1 else 0
+                p_load[p] += uncached
+                w = pw[p]
+            w.pq.append([r, uncached])
+            w.pq_tokens += uncached
+            wake(w, t)
+
+        done = [r for r in range(n) if not math.isnan(e2e[r])]
+        notes = []
+        if len(done) < n:
+            notes.append(f"{n - len(done)} requests never finished (a prompt longer than the KV cache?)")
+        ttft_a = np.array([ttft[r] for r in done])
+        e2e_a = np.array([e2e[r] for r in done])
+        span = last_end - (arr[0] if n else 0.0)
+        return SimResult(requests=n, span_s=span, output_tokens=out_tokens, ttft_s=ttft_a, e2e_s=e2e_a,
+                         itl_values=np.array(itl_v), itl_weights=np.array(itl_w),
+                         wall_s=time.perf_counter() - t_wall, events=events, queued_at_end=n - len(done),
+                         notes=notes)
+
+
+def simulate(profile: Profile, shape: ClusterShape, arrivals: np.ndarray, prompt: np.ndarray,
+             cached: np.ndarray, output: np.ndarray) -> SimResult:
+    return Simulator(profile, shape).run(arrivals, prompt, cached, output)

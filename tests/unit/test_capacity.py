@@ -1,0 +1,243 @@
+"""The capacity model: profile costs, the traffic file, the simulator against closed forms, and
+the plan's arithmetic (the seeds' worked example)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.capacity.plan import estimate, make_plan
+from pdserve.capacity.profile import (PROFILE_VERSION, EngineProfile, Profile, ProfileError, ServingProfile,
+                                      TransferProfile)
+from pdserve.capacity.simulate import ClusterShape, simulate
+from pdserve.capacity.traffic import Traffic, TrafficError
+
+
+def engine(threads: int = 1, *, prefill=(0.02, 0.1, 0.4), decode=(0.02, 0.03, 0.06), per_ctx: float = 0.0,
+           attn: float = 0.0) -> EngineProfile:
+    return EngineProfile(threads=threads, prefill_tokens=[16, 128, 512], prefill_s=list(prefill),
+                         decode_batch=[1, 8, 32], decode_s=list(decode), decode_ctx=64,
+                         decode_s_per_ctx_token=per_ctx, attn_s_per_token_ctx=attn)
+
+
+def profile(*, per_ctx: float = 0.0, kv_blocks: int = 10_000, max_seqs: int = 32, transfer=(0.001, 1e9),
+            serving: dict | None = None, engines: dict | None = None) -> Profile:
+    return Profile(host={"cpu_model": "test"}, model={"name": "m", "dtype": "float32", "kv_bytes_per_token": 1000},
+                   engine={"block_size": 16, "max_num_seqs": max_seqs, "max_num_batched_tokens": 512,
+                           "num_kv_blocks": kv_blocks},
+                   engines=engines or {"1": engine(per_ctx=per_ctx), "2": engine(2, per_ctx=per_ctx)},
+                   roles={"prefill": 1, "decode": 1, "colocated": 2},
+                   transfer=TransferProfile(*transfer), serving=serving or {})
+
+
+def run(prof: Profile, mode: str, arrivals, prompt, output, prefill: int = 1, decode: int = 1, cached=None):
+    a = np.array(arrivals, dtype=float)
+    p = np.array(prompt)
+    return simulate(prof, ClusterShape(mode, 0 if mode == "colocated" else prefill, decode, itl_target_s=None),
+                    a, p, np.zeros_like(p) if cached is None else np.array(cached), np.array(output))
+
+
+# ------------------------------------------------------------------------------------ profile
+def test_costs_interpolate_between_and_extend_past_the_measured_points() -> None:
+    e = engine(per_ctx=1e-6, attn=1e-7)
+    assert e.prefill_step_s(128) == pytest.approx(0.1)
+    assert e.prefill_step_s(320) == pytest.approx(0.25)          # halfway 128..512
+    assert e.prefill_step_s(896) == pytest.approx(0.7)           # extended along the last segment
+    assert e.prefill_step_s(128, ctx=1000) == pytest.approx(0.1 + 1e-7 * 128 * 1000)
+    assert e.decode_step_s(8, 8 * 64) == pytest.approx(0.03)     # at the measured context
+    assert e.decode_step_s(8, 8 * 64 + 500) == pytest.approx(0.03 + 500e-6)
+    # a mixed step: the decodes plus what the prefill costs beyond one sampled token
+    assert e.mixed_step_s(8, 8 * 64, 128) == pytest.approx(0.03 + 0.1 - 0.02)
+
+
+def test_profile_round_trips_and_refuses_what_it_cannot_use(tmp_path: Path) -> None:
+    prof = profile(serving={"disaggregated": ServingProfile(0.05, 0.002, 1.2)})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path)
+    assert back.to_dict() == prof.to_dict()
+    assert back.serving_for("conditional").prefill_slowdown == 1.2
+    assert back.serving_for("colocated") == ServingProfile()
+    d = json.loads(path.read_text())
+    d["version"] = PROFILE_VERSION + 1
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="run `pdserve profile` again"):
+        Profile.load(path)
+    d["version"] = PROFILE_VERSION
+    d["roles"]["colocated"] = 4
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="4 threads, which were not profiled"):
+        Profile.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="expected a JSON object"):
+        Profile.load(path)
+    with pytest.raises(ProfileError, match="sizes must increase"):
+        EngineProfile(1, [128, 16], [0.1, 0.2], [1], [0.01], 64)
+
+
+# ------------------------------------------------------------------------------------ traffic
+def test_traffic_errors_name_the_field_and_lengths_stay_in_bounds(tmp_path: Path) -> None:
+    with pytest.raises(TrafficError, match="exactly one of rate"):
+        Traffic.parse({"prompt_len": {"mean": 10}, "output_len": {"mean": 5}})
+    with pytest.raises(TrafficError, match=r"prompt_len: .*mean \(5000.0\) must lie within"):
+        Traffic.parse({"rate": 1, "prompt_len": {"mean": 5000, "max": 100}, "output_len": {"mean": 5}})
+    with pytest.raises(TrafficError, match="slo.ttft_ms: Extra inputs"):
+        Traffic.parse({"rate": 1, "prompt_len": {"mean": 10}, "output_len": {"mean": 5}, "slo": {"ttft_ms": 3}})
+    bad = tmp_path / "t.yaml"
+    bad.write_text("rate: [")
+    with pytest.raises(TrafficError, match="does not parse"):
+        Traffic.load(bad)
+    t = Traffic.parse({"rate": 50, "prompt_len": {"mean": 100, "dist": "lognormal", "min": 10, "max": 400},
+                       "output_len": {"mean": 20, "dist": "exponential", "max": 80}, "prefix_share": 0.5,
+                       "requests": 20_000})
+    arr, p, c, o = t.draw()
+    assert len(arr) == 20_000 and np.all(np.diff(arr) >= 0)
+    assert 45 < len(arr) / arr[-1] < 55                    # Poisson at 50/s
+    assert p.min() >= 10 and p.max() <= 400 and o.min() >= 1 and o.max() <= 80
+    assert abs(p.mean() - 100) < 5
+    assert np.all(c == np.floor(p * 0.5)) and np.all(c < p)
+
+
+def test_a_daily_curve_sends_more_at_its_peak() -> None:
+    t = Traffic.parse({"daily": [[0, 0.1], [12, 0.9], [24, 0.1]], "prompt_len": {"mean": 10},
+                       "output_len": {"mean": 5}, "requests": 50_000})   # a little over one day
+    arr = t.draw()[0]
+    hours = (arr % 86400) / 3600
+    near_noon = np.sum((hours > 11) & (hours < 13))
+    near_midnight = np.sum((hours < 1) | (hours > 23))
+    assert near_noon > 4 * near_midnight
+    assert t.peak_rate == 0.9
+
+
+# ---------------------------------------------------------------------------------- simulator
+def test_one_request_disaggregated_is_prefill_handoff_then_its_decode_steps() -> None:
+    prof = profile(per_ctx=1e-5, serving={"disaggregated": ServingProfile(ttft_overhead_s=0.05, itl_overhead_s=0.001)})
+    res = run(prof, "disaggregated", [1.0], [128], [5])
+    e = prof.role("decode")
+    ttft = prof.role("prefill").prefill_step_s(128) + 0.05
+    assert res.ttft_s[0] == pytest.approx(ttft)
+    handoff = prof.transfer.transfer_s(128 * 1000)
+    steps = [e.decode_step_s(1, 129 + j) for j in range(4)]   # context grows one token a step
+    assert res.e2e_s[0] == pytest.approx(ttft - 0.05 + handoff + sum(steps) + 0.05)
+    assert res.output_tokens == 5
+    # gaps: the first includes the handoff; the other three are steps (+ the served overhead)
+    assert res.itl_percentile(100) == pytest.approx(handoff + steps[0] + 0.001)
+    assert res.itl_percentile(1) == pytest.approx(np.mean(steps[1:]) + 0.001)
+
+
+def test_one_request_colocated_has_no_handoff() -> None:
+    prof = profile()
+    res = run(prof, "colocated", [0.0], [100], [3])
+    e = prof.role("colocated")
+    assert res.ttft_s[0] == pytest.approx(e.prefill_step_s(100))
+    assert res.e2e_s[0] == pytest.approx(e.prefill_step_s(100) + 2 * e.decode_step_s(1, 0))
+    assert res.span_s == pytest.approx(res.e2e_s[0])
+
+
+def test_a_request_joins_a_running_batch_at_the_next_step_boundary() -> None:
+    prof = profile(transfer=(0.0, 1e15))
+    e, pre = prof.role("decode"), prof.role("prefill")
+    first_ready = pre.prefill_step_s(16)
+    # the second arrives while the first decodes alone, a third of the way into its second step
+    d1 = e.decode_step_s(1, 0)
+    t2 = first_ready + 1.33 * d1 - pre.prefill_step_s(16)
+    res = run(prof, "disaggregated", [0.0, t2], [16, 16], [10, 3])
+    join = first_ready + 2 * d1                       # the boundary after the second arrival
+    d2 = e.decode_step_s(2, 0)
+    assert res.e2e_s[1] == pytest.approx(join + 2 * d2 - t2)
+    # the first: 2 steps alone, 2 beside the second, then 5 alone again
+    assert res.e2e_s[0] == pytest.approx(first_ready + 2 * d1 + 2 * d2 + 5 * d1)
+
+
+def test_everything_finishes_when_the_kv_cache_holds_one_sequence_at_a_time() -> None:
+    prof = profile(kv_blocks=10)                      # 160 tokens: one 100 + 20 sequence at a time
+    n = 30
+    res = run(prof, "disaggregated", np.linspace(0, 1, n), [100] * n, [20] * n)
+    assert len(res.e2e_s) == n and res.output_tokens == 20 * n
+    e = prof.role("decode")
+    # decoding is serial: at least n sequences x 19 batch-1 steps
+    assert res.span_s >= n * 19 * e.decode_step_s(1, 0)
+
+
+def test_saturated_decode_runs_at_the_profiled_batch_rate() -> None:
+    prof = profile(max_seqs=8)
+    n = 400
+    res = run(prof, "disaggregated", np.zeros(n), [16] * n, [200] * n, prefill=4)
+    e = prof.role("decode")
+    assert res.output_tokens_per_s == pytest.approx(8 / e.decode_step_s(8, 0), rel=0.03)
+
+
+def test_more_workers_split_the_load() -> None:
+    prof = profile()
+    t = Traffic.parse({"rate": 40, "prompt_len": {"mean": 64}, "output_len": {"mean": 32}, "requests": 2000})
+    one = simulate(prof, ClusterShape("disaggregated", 2, 1, itl_target_s=None), *t.draw())
+    four = simulate(prof, ClusterShape("disaggregated", 8, 4, itl_target_s=None), *t.draw())
+    assert four.itl_percentile(50) < one.itl_percentile(50)
+    assert np.percentile(four.ttft_s, 99) < np.percentile(one.ttft_s, 99)
+    assert four.output_tokens == one.output_tokens == int(t.draw()[3].sum())
+
+
+def test_shapes_that_cannot_run_are_refused() -> None:
+    with pytest.raises(ValueError, match="give --prefill 0"):
+        ClusterShape("colocated", 1, 1)
+    with pytest.raises(ValueError, match="at least one prefill worker"):
+        ClusterShape("disaggregated", 0, 1)
+
+
+# ---------------------------------------------------------------------------------------- plan
+def seeds_profile() -> Profile:
+    """A worker that decodes 2,000 tokens/s at its full batch of 64 (the seeds' figure)."""
+    e = EngineProfile(threads=1, prefill_tokens=[512, 2048], prefill_s=[0.02, 0.08],
+                      decode_batch=[1, 64], decode_s=[0.01, 0.032], decode_ctx=0)
+    return Profile(host={}, model={"name": "seeds", "kv_bytes_per_token": 1000},
+                   engine={"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                           "num_kv_blocks": 100_000}, engines={"1": e}, roles={"prefill": 1, "decode": 1, "colocated": 1},
+                   transfer=TransferProfile(0.0, 1e12))
+
+
+def test_plan_reproduces_the_seeds_worked_example() -> None:
+    traffic = Traffic.parse({"rate": 400, "prompt_len": {"mean": 500}, "output_len": {"mean": 250},
+                             "slo": {"ttft_s": 2.0, "itl_s": 0.05}})
+    est = estimate(seeds_profile(), traffic)
+    text = "\n".join(est["steps"])
+    assert "=  2,000 tokens/s" in text
+    assert "2,000 / 250  =  8" in text
+    assert "400 / 8  =  50" in text
+    assert est["decode"] == 50
+    assert est["seeds_estimate"]["total"] == 65           # +30% for prefill and headroom
+    assert est["decode_batch"] == 64 and est["decode_batch_limit"] == "max_num_seqs"
+
+
+def test_plan_names_the_itl_slo_when_it_caps_the_batch_and_its_shape_meets_the_slos_in_simulation() -> None:
+    prof = profile(per_ctx=1e-6)
+    traffic = Traffic.parse({"rate": 20, "prompt_len": {"mean": 128}, "output_len": {"mean": 32},
+                             "slo": {"ttft_s": 0.5, "itl_s": 0.04, "percentile": 90}})
+    plan = make_plan(prof, traffic, sim_requests=3000)
+    assert plan["estimate"]["decode_batch_limit"] == "ITL SLO"
+    sim = plan["simulation"]
+    assert sim["met"]
+    assert sim["result"]["ttft_at_slo_percentile"] <= 0.5 and sim["result"]["itl_at_slo_percentile"] <= 0.04
+    p, d = plan["answer"]["prefill"], plan["answer"]["decode"]
+    # one worker fewer in either pool misses an SLO (the search shrank until it did)
+    arrays = traffic.draw(3000)
+    for shape in (ClusterShape("disaggregated", p - 1, d, itl_target_s=0.04) if p > 1 else None,
+                  ClusterShape("disaggregated", p, d - 1, itl_target_s=0.04) if d > 1 else None):
+        if shape is None:
+            continue
+        res = simulate(prof, shape, *arrays)
+        assert np.percentile(res.ttft_s, 90) > 0.5 or res.itl_percentile(90) > 0.04
+    assert plan["colocated"]["workers"] >= 1 and plan["colocated_simulation"]["met"]
+
+
+def test_plan_reports_memory_as_binding_when_the_kv_cache_caps_the_batch() -> None:
+    prof = profile(kv_blocks=40)                       # 640 tokens: 3 sequences of 200
+    traffic = Traffic.parse({"rate": 1, "prompt_len": {"mean": 150}, "output_len": {"mean": 50},
+                             "slo": {"ttft_s": 5, "itl_s": 1}})
+    est = estimate(prof, traffic)
+    assert est["decode_batch"] == 3 and est["decode_batch_limit"] == "KV memory"
+    assert any("KV memory" in b for b in est["binding"])
+    assert math.isfinite(est["decode_tokens_per_s_per_worker"])
