@@ -15,7 +15,12 @@ def _load(args: argparse.Namespace):
     from pdserve.engine.errors import InvalidRequestError
 
     try:
-        return Profile.load(args.profile), Traffic.load(args.traffic)
+        profile, traffic = Profile.load(args.profile), Traffic.load(args.traffic)
+        if args.link_gbps is not None or args.link_json is not None:
+            profile = profile.with_link(gbps=args.link_gbps, link_json=args.link_json, rate=args.link)
+        elif args.link is not None:
+            raise ProfileError("--link names a rate of --link-json")
+        return profile, traffic
     except (ProfileError, TrafficError) as exc:
         raise InvalidRequestError(str(exc)) from None
 
@@ -29,7 +34,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--requests must be >= 1")
     try:
         shape = ClusterShape(args.mode, args.prefill, args.decode, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                             itl_target_s=traffic.slo.itl_s)
+                             itl_target_s=traffic.slo.itl_s, shared_host=args.shared_host)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
     arrays = traffic.draw(args.requests)
@@ -69,6 +74,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_link(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--link-gbps", type=float, help="KV handoffs cross a network link of this many Gbit/s (what-if)")
+    p.add_argument("--link-json", help="KV handoffs at the rate `pdserve bench transfer --link` measured (its JSON)")
+    p.add_argument("--link", help="which rate of --link-json (e.g. 10gbit; default: its only one)")
+
+
 def _profile(args: argparse.Namespace) -> int:
     from pdserve.bench.profile import run
 
@@ -89,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="also write the plan here")
     p.add_argument("--no-simulate", action="store_true", help="the arithmetic only, not checked by simulation")
     p.add_argument("--max-workers", type=int, default=100_000, help="largest pool the search considers")
+    _add_link(p)
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("simulate", help="simulate a cluster shape under a traffic description")
@@ -99,7 +111,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "conditional", "colocated"])
     p.add_argument("--local-prefill-max-tokens", type=int, default=64, help="conditional mode's threshold")
     p.add_argument("--requests", type=int, help="requests to draw (default: the traffic file's)")
+    p.add_argument("--shared-host", action="store_true", help="prefill worker i and decode worker i share a host "
+                   "(as `pdserve up` on one machine): their steps slow each other by the profile's co-run factors")
     p.add_argument("--json", help="write the result here")
+    _add_link(p)
     p.set_defaults(func=_simulate)
 
 

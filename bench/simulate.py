@@ -87,7 +87,7 @@ def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
     arrivals = np.array([r.sent - t0 for r in order])
     prompt = np.array([r.prompt_len for r in order])
     output = np.array([r.output_len for r in order])
-    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s)
+    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
     res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), output)
     s = res.summary()
     return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"], "itl_p50": s["itl_s"]["p50"],

@@ -210,6 +210,11 @@ def make_plan(profile: Profile, traffic: Traffic, *, verify: bool = True, max_wo
         plan["simulation"] = {"requests": n, "log": log, "met": ok, "result": sim}
         _, workers, csim, clog, cok = _search(profile, traffic, "colocated", 0, workers, n, max_workers)
         plan["colocated_simulation"] = {"requests": n, "log": clog, "met": cok, "result": csim}
+    if traffic.daily is not None:
+        # the arithmetic at every point of the daily curve: what the planner would run through the day
+        plan["daily"] = [{"hour": h, "rate": r, **({"prefill": 0, "decode": 0} if r <= 0 else
+                          {k: estimate(profile, traffic.at_rate(r))[k] for k in ("prefill", "decode")})}
+                         for h, r in traffic.daily]
     p_threads, d_threads, c_threads = (profile.roles[r] for r in ("prefill", "decode", "colocated"))
     plan["answer"] = {"prefill": prefill, "decode": decode, "decode_batch": est["decode_batch"],
                       "max_num_seqs": est["decode_batch"], "max_num_batched_tokens": est["chunk_tokens"],
@@ -233,6 +238,10 @@ def format_plan(plan: dict) -> str:
         if key in plan:
             lines += ["", f"{title}, checked by simulation ({plan[key]['requests']} requests at the peak rate):"]
             lines += [f"  {x}" for x in plan[key]["log"]]
+    if "daily" in plan:
+        lines += ["", "Through the day (the arithmetic at each point of the curve; the plan is for the peak):"]
+        lines += [f"  {d['hour']:5.1f} h  {d['rate']:g} requests/s: {d['prefill']} prefill + {d['decode']} decode"
+                  for d in plan["daily"]]
     lines += ["", f"Plan: {ans['prefill']} prefill + {ans['decode']} decode workers ({ans['cores']} cores); "
                   f"decode max_num_seqs {ans['max_num_seqs']}, max_num_batched_tokens {ans['max_num_batched_tokens']}",
               f"Colocated alternative: {col['workers']} workers ({col['cores']} cores). {plan['colocated_estimate']['line']}"]

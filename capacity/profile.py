@@ -121,9 +121,6 @@ class ServingProfile:
 
     ttft_overhead_s: float = 0.0
     itl_overhead_s: float = 0.0
-    # disaggregated: a prefill step while the decode worker computes beside it, over the step alone
-    # (the cores' shared caches and memory bandwidth, the router streaming): multiplies prefill steps
-    prefill_slowdown: float = 1.0
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 
@@ -140,6 +137,9 @@ class Profile:
     serving: dict[str, ServingProfile] = field(default_factory=dict)   # "colocated" | "disaggregated"
     created: str = ""
     profile_wall_s: float = 0.0
+    # a prefill and a decode worker sharing one host: {"prefill_x": how much longer a prefill step
+    # takes while the other engine decodes, "decode_x": a decode step while the other prefills, ...}
+    corun: dict = field(default_factory=dict)
     # seconds of a fixed CPU workload (matmuls and a copy, one thread) when the profile was taken:
     # on a shared host, ``scaled(probe_now / speed_probe_s)`` carries the profile to the speed it
     # runs at now
@@ -161,6 +161,35 @@ class Profile:
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
             if not int(self.engine.get(key, 0)) > 0:
                 raise ProfileError(f"engine.{key} must be > 0")
+
+    def with_link(self, *, gbps: float | None = None, link_json: str | Path | None = None,
+                  rate: str | None = None) -> Profile:
+        """This profile with the KV handoff over a network link: measured by ``pdserve bench transfer
+        --link`` (its JSON and one of its rates: the worker path's median push rate there), or an
+        assumed ``gbps`` (Gbit/s of payload). The per-transfer overhead stays the profiled one."""
+        if (gbps is None) == (link_json is None):
+            raise ProfileError("give either a link speed in Gbit/s or a `bench transfer --link` JSON")
+        if link_json is not None:
+            try:
+                links = json.loads(Path(link_json).read_text())["links"]
+            except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+                raise ProfileError(f"{link_json}: not a `pdserve bench transfer --link` result ({exc})") from None
+            if rate is None:
+                if len(links) != 1:
+                    raise ProfileError(f"{link_json} measured several links ({', '.join(links)}): name one")
+                rate = next(iter(links))
+            fig = links.get(rate)
+            if not fig or not fig.get("transfer_gbps"):
+                raise ProfileError(f"{link_json}: no transfer figure for link {rate!r} (have {', '.join(links)})")
+            gbps, how = float(fig["transfer_gbps"]), (f"the worker path across emulated hosts at {rate} "
+                                                      f"({link_json}): {fig['transfer_gbps']:.2f} Gbit/s")
+        else:
+            if gbps <= 0:
+                raise ProfileError(f"link speed must be > 0 Gbit/s, got {gbps}")
+            how = f"an assumed {gbps:g} Gbit/s link (not measured)"
+        out = Profile.from_dict(self.to_dict())
+        out.transfer = TransferProfile(self.transfer.overhead_s, gbps * 1e9 / 8, how=how)
+        return out
 
     def scaled(self, factor: float) -> Profile:
         """This profile with every engine step ``factor`` times as long (served overheads and the
@@ -204,7 +233,7 @@ class Profile:
                        worker_start_s=float(d.get("worker_start_s", 0.0)),
                        serving={k: ServingProfile(**v) for k, v in d.get("serving", {}).items()},
                        created=d.get("created", ""), profile_wall_s=float(d.get("profile_wall_s", 0.0)),
-                       speed_probe_s=float(d.get("speed_probe_s", 0.0)),
+                       speed_probe_s=float(d.get("speed_probe_s", 0.0)), corun=dict(d.get("corun", {})),
                        version=int(d.get("version", 0)))
         except (KeyError, TypeError) as exc:
             raise ProfileError(f"not a pdserve profile: {exc}") from exc

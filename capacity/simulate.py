@@ -53,6 +53,9 @@ class ClusterShape:
     max_num_batched_tokens: int | None = None    # default: the profile's
     local_prefill_max_tokens: int = 64           # conditional mode
     itl_target_s: float | None = 0.1             # decode workers' ITL budget for local prefills
+    # prefill worker i and decode worker i share one host: their steps slow each other down by the
+    # profile's co-run factors (``Profile.corun``), as a disaggregated pair on one machine does
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "conditional", "colocated"):
@@ -158,7 +161,9 @@ class Simulator:
         self.pe = profile.role("prefill")
         self.de = profile.role("colocated" if colocated else "decode")
         served = profile.serving_for(shape.mode)
-        self.prefill_slow = served.prefill_slowdown if shape.mode != "colocated" else 1.0
+        corun = profile.corun if shape.shared_host and shape.mode != "colocated" else {}
+        self.prefill_x = float(corun.get("prefill_x", 1.0))
+        self.decode_x = float(corun.get("decode_x", 1.0))
         self.ttft_over = served.ttft_overhead_s
         self.itl_over = served.itl_overhead_s
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)
@@ -213,7 +218,8 @@ class Simulator:
         de, pe = self.de, self.pe
         kv_bytes, transfer_s = self.kv_bytes, self.profile.transfer.transfer_s
         ttft_over = self.ttft_over
-        prefill_slow = self.prefill_slow
+        prefill_x, decode_x = self.prefill_x, self.decode_x
+        paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
         out_tokens = 0
         last_end = 0.0
 
@@ -271,8 +277,8 @@ class Simulator:
                 eng = pe if w.role == "prefill" else de
                 if chunks:
                     d = self._prefill_cost(eng, chunks, w.b, w.C)
-                    if w.role == "prefill":
-                        d *= prefill_slow
+                    if paired:
+                        d *= slowdown(w)
                     w.step_chunks = chunks
                     for r in joined:
                         itl_v.append(t - first_t[r] + d + itl_over)
@@ -282,16 +288,23 @@ class Simulator:
                         itl_w.append(float(w.b - len(joined)))
                     w.busy = True
                     schedule(w, t + d, "step")
+                    if paired:
+                        nudge(w, t)
                     return
             w.step_chunks = []
             if w.b == 0:
                 w.busy = False
                 w.next_t = math.inf
                 w.version += 1
+                if paired:
+                    nudge(w, t)
                 return
             # decode-only: jump to the next finish
             D0 = A[w.b] + kc * w.C
             g = kc * w.b
+            if paired:
+                x = slowdown(w)
+                D0, g = D0 * x, g * x
             m = w.fin[0][0] - w.S
             w.D0, w.g, w.m = D0, g, m
             for r in joined:
@@ -302,6 +315,20 @@ class Simulator:
             itl_w.append(float(max(0, w.b * m - len(joined))))
             w.busy = True
             schedule(w, t + m * D0 + g * m * (m - 1) / 2, "interval")
+
+        def slowdown(w: _Worker) -> float:
+            """A step's factor while the worker sharing this one's host computes (shared_host)."""
+            if w.role == "prefill":
+                other = dw[w.idx] if w.idx < len(dw) else None
+                return prefill_x if other is not None and other.busy else 1.0
+            other = pw[w.idx] if w.idx < len(pw) else None
+            return decode_x if other is not None and other.busy else 1.0
+
+        def nudge(w: _Worker, t: float) -> None:
+            """A prefill worker started or stopped computing: its host partner's decode interval
+            ends at its running step, so the next one is timed with the new neighbour."""
+            if w.role == "prefill" and w.idx < len(dw) and dw[w.idx].busy:
+                wake(dw[w.idx], t)
 
         def wake(w: _Worker, t: float) -> None:
             """Work arrived at ``t``: an idle worker starts now; a worker inside a decode interval

@@ -61,9 +61,14 @@ def tiny_qwen2_model() -> Path:
     return ensure_model("tiny", "qwen2")
 
 
+# Ray exports metrics every 10 s by default; the tests that wait for the export read it sooner.
+METRICS_REPORT_INTERVAL_MS = 2000
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray per test session, on 127.0.0.1, without the dashboard."""
+    """One local Ray per test session, on 127.0.0.1, without the dashboard, exporting its
+    metrics every ``METRICS_REPORT_INTERVAL_MS``."""
     import ray
 
     if not ray.is_initialized():
@@ -75,6 +80,7 @@ def ray_session():
             namespace="pdserve-tests",
             log_to_driver=False,
             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}},
+            _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
         )
     yield ray
     ray.shutdown()

@@ -226,8 +226,8 @@ def _problems(samples: list[Sample], uid: str, ray_worker_id: str,
 
 
 GAUGES = tuple(m.scraped_name for m in METRICS if m.kind == "gauge")
-# Ray drops a gauge not set again within two report intervals (20 s by default).
-GAUGE_TTL_S = 20.0
+# Ray drops a gauge not set again within two report intervals (conftest's ray_session sets the interval).
+GAUGE_TTL_S = 2 * METRICS_REPORT_INTERVAL_MS / 1000
 
 
 def test_metrics_reach_the_node_prometheus_endpoint(ray_session) -> None:

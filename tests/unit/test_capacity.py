@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.capacity.plan import estimate, make_plan
+from pdserve.capacity.plan import estimate, format_plan, make_plan
 from pdserve.capacity.profile import (PROFILE_VERSION, EngineProfile, Profile, ProfileError, ServingProfile,
                                       TransferProfile)
 from pdserve.capacity.simulate import ClusterShape, simulate
@@ -55,12 +55,12 @@ def test_costs_interpolate_between_and_extend_past_the_measured_points() -> None
 
 
 def test_profile_round_trips_and_refuses_what_it_cannot_use(tmp_path: Path) -> None:
-    prof = profile(serving={"disaggregated": ServingProfile(0.05, 0.002, 1.2)})
+    prof = profile(serving={"disaggregated": ServingProfile(0.05, 0.002)})
     path = tmp_path / "p.json"
     prof.save(path)
     back = Profile.load(path)
     assert back.to_dict() == prof.to_dict()
-    assert back.serving_for("conditional").prefill_slowdown == 1.2
+    assert back.serving_for("conditional").itl_overhead_s == 0.002
     assert back.serving_for("colocated") == ServingProfile()
     d = json.loads(path.read_text())
     d["version"] = PROFILE_VERSION + 1
@@ -233,6 +233,15 @@ def test_plan_names_the_itl_slo_when_it_caps_the_batch_and_its_shape_meets_the_s
     assert plan["colocated"]["workers"] >= 1 and plan["colocated_simulation"]["met"]
 
 
+def test_a_daily_curve_is_planned_for_its_peak_and_sized_at_every_point() -> None:
+    traffic = Traffic.parse({"daily": [[0, 40], [12, 400], [24, 40]], "prompt_len": {"mean": 500},
+                             "output_len": {"mean": 250}, "slo": {"ttft_s": 2.0, "itl_s": 0.05}})
+    plan = make_plan(seeds_profile(), traffic, verify=False)
+    assert plan["answer"]["decode"] == 50
+    assert [d["decode"] for d in plan["daily"]] == [5, 50, 5]
+    assert "Through the day" in format_plan(plan)
+
+
 def test_plan_reports_memory_as_binding_when_the_kv_cache_caps_the_batch() -> None:
     prof = profile(kv_blocks=40)                       # 640 tokens: 3 sequences of 200
     traffic = Traffic.parse({"rate": 1, "prompt_len": {"mean": 150}, "output_len": {"mean": 50},
@@ -241,3 +250,45 @@ def test_plan_reports_memory_as_binding_when_the_kv_cache_caps_the_batch() -> No
     assert est["decode_batch"] == 3 and est["decode_batch_limit"] == "KV memory"
     assert any("KV memory" in b for b in est["binding"])
     assert math.isfinite(est["decode_tokens_per_s_per_worker"])
+
+
+def test_a_prefill_and_a_decode_worker_sharing_a_host_slow_each_other_by_the_profiled_factors() -> None:
+    prof = profile(transfer=(0.0, 1e15))
+    prof.corun = {"prefill_x": 1.5, "decode_x": 1.25}
+    pre, dec = prof.role("prefill"), prof.role("decode")
+    args = ([0.0, 2.0], [16, 128], [200, 2])
+    apart = simulate(prof, ClusterShape("disaggregated", 1, 1, itl_target_s=None), *map(np.array, (args[0], args[1])),
+                     np.zeros(2, dtype=int), np.array(args[2]))
+    shared = simulate(prof, ClusterShape("disaggregated", 1, 1, itl_target_s=None, shared_host=True),
+                      *map(np.array, (args[0], args[1])), np.zeros(2, dtype=int), np.array(args[2]))
+    # the second prompt is prefilled while the first decodes on the same host
+    assert apart.ttft_s[1] == pytest.approx(pre.prefill_step_s(128))
+    assert shared.ttft_s[1] == pytest.approx(1.5 * pre.prefill_step_s(128))
+    # the first prompt was prefilled on an idle host; its decode steps slow down only while the
+    # prefill worker computes
+    assert shared.ttft_s[0] == apart.ttft_s[0]
+    extra = shared.e2e_s[0] - apart.e2e_s[0]
+    # at most a quarter longer for as long as the prefill ran, plus the step it ends in
+    assert 0 < extra <= 0.25 * 1.5 * pre.prefill_step_s(128) + 2 * dec.decode_step_s(2, 0)
+
+
+def test_a_measured_or_assumed_link_becomes_the_handoff_term(tmp_path: Path) -> None:
+    prof = profile(transfer=(0.002, 5e9))
+    slow = prof.with_link(gbps=1.0)
+    assert slow.transfer.bytes_per_s == pytest.approx(1.25e8) and slow.transfer.overhead_s == 0.002
+    assert "assumed 1 Gbit/s" in slow.transfer.how and prof.transfer.bytes_per_s == 5e9
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps({"links": {"1gbit": {"link_gbps": 1.0, "transfer_gbps": 0.8},
+                                           "10gbit": {"link_gbps": 10.0, "transfer_gbps": 7.5}}}))
+    ten = prof.with_link(link_json=links, rate="10gbit")
+    assert ten.transfer.bytes_per_s == pytest.approx(7.5e9 / 8)
+    with pytest.raises(ProfileError, match="measured several links"):
+        prof.with_link(link_json=links)
+    with pytest.raises(ProfileError, match="no transfer figure for link '25gbit'"):
+        prof.with_link(link_json=links, rate="25gbit")
+    # a slower link delays the second token, not the first
+    t = Traffic.parse({"rate": 5, "prompt_len": {"mean": 512}, "output_len": {"mean": 8}, "requests": 200})
+    fast_run = simulate(prof, ClusterShape("disaggregated", 2, 1, itl_target_s=None), *t.draw())
+    slow_run = simulate(slow, ClusterShape("disaggregated", 2, 1, itl_target_s=None), *t.draw())
+    assert np.allclose(fast_run.ttft_s, slow_run.ttft_s)
+    assert slow_run.itl_percentile(100) > fast_run.itl_percentile(100) + 512 * 1000 / 1.25e8 * 0.9
