@@ -19,7 +19,10 @@ the median of repeated real engine steps:
   disaggregated, one prefill and one decode worker) on 127.0.0.1 answers lone streamed requests
   (128 prompt tokens, 16 out) one at a time; what the quickest of them take beyond the profiled
   engine steps (first token; median token gap) is the path's overhead (HTTP, router, Ray calls,
-  the handoff's control messages), and ``pdserve up``'s time is the cluster's start time.
+  the handoff's control messages), and ``pdserve up``'s time is the cluster's start time; then
+  two waves of 8 streams at once: their steady token gaps against the profiled decode step at
+  batch 8 say how much slower the engine steps when served on this host (the router, Ray and the
+  client share its cores), a factor the simulator applies to that mode's steps.
 
 Bounded: about 3-4 minutes for the ``small`` model on 2 cores (``--quick``: fewer points, ~1 minute
 without the served part).
@@ -215,6 +218,7 @@ def profile_transfer(block_bytes: int, quick: bool) -> TransferProfile:
 
 
 SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
+BUSY_STREAMS, BUSY_OUT = 8, 48
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -240,6 +244,11 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
             group = GroupSpec("lone", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=SERVED_OUT,
                               concurrency=1, seed=7_778)
             res = asyncio.run(run_load(target, [group], time_limit_s=180))
+            # under load: waves of BUSY_STREAMS streams; their steady token gaps are decode steps
+            # at that batch, as served here (the router, Ray and the client on the same cores)
+            busy_group = GroupSpec("busy", 2 * BUSY_STREAMS, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
+                                   concurrency=BUSY_STREAMS, seed=7_779)
+            busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
         ok = [r for r in res.records if r.ok]
         if len(ok) < SERVED_REQUESTS // 2:
             raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
@@ -251,11 +260,20 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
         first = engines[str(roles[first_role])].prefill_step_s(SERVED_PROMPT)
         dec_eng = engines[str(roles["colocated" if mode == "colocated" else "decode"])]
         step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
+        itl_over = max(0.0, itl - step)
+        steady = [g for r in busy.records if r.ok for g in gaps(r.token_times)[1:]]
+        step_x, busy_how = 1.0, ""
+        if steady:
+            busy_gap = statistics.median(steady)
+            busy_step = dec_eng.decode_step_s(BUSY_STREAMS, BUSY_STREAMS * (SERVED_PROMPT + BUSY_OUT / 2))
+            step_x = max(1.0, (busy_gap - itl_over) / busy_step)
+            busy_how = (f"; {BUSY_STREAMS} streams at once: token gap median {busy_gap * 1e3:.1f} ms against a "
+                        f"{busy_step * 1e3:.1f} ms decode step at that batch: engine steps x{step_x:.2f} served")
         out[mode] = ServingProfile(
-            ttft_overhead_s=max(0.0, ttft - first), itl_overhead_s=max(0.0, itl - step), start_s=server.start_s,
+            ttft_overhead_s=max(0.0, ttft - first), itl_overhead_s=itl_over, step_x=step_x, start_s=server.start_s,
             how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: quickest TTFT "
                 f"{ttft * 1e3:.0f} ms against a {first * 1e3:.0f} ms prefill step; quickest median token gap "
-                f"{itl * 1e3:.1f} ms against a {step * 1e3:.1f} ms decode step")
+                f"{itl * 1e3:.1f} ms against a {step * 1e3:.1f} ms decode step{busy_how}")
         logger.info("served %s: %s", mode, out[mode].how)
     return out
 

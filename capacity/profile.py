@@ -121,6 +121,9 @@ class ServingProfile:
 
     ttft_overhead_s: float = 0.0
     itl_overhead_s: float = 0.0
+    # an engine step as served under load (8 streams) over the same step measured alone: the
+    # serving stack's own CPU on the workers' cores; the simulator multiplies that mode's steps
+    step_x: float = 1.0
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 

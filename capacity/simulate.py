@@ -166,6 +166,11 @@ class Simulator:
         self.decode_x = float(corun.get("decode_x", 1.0))
         self.ttft_over = served.ttft_overhead_s
         self.itl_over = served.itl_overhead_s
+        # engine steps as served (the profile's served measurement under load; 1 without one)
+        if served.step_x != 1.0:
+            profile = profile.scaled(served.step_x)
+            self.pe = profile.role("prefill")
+            self.de = profile.role("colocated" if colocated else "decode")
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)
         self.kc = self.de.decode_s_per_ctx_token
         self.A = [0.0] + [self.de.decode_step_s(b, b * self.de.decode_ctx) - self.kc * b * self.de.decode_ctx

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from ray_settings import METRICS_REPORT_INTERVAL_MS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,8 +62,6 @@ def tiny_qwen2_model() -> Path:
     return ensure_model("tiny", "qwen2")
 
 
-# Ray exports metrics every 10 s by default; the tests that wait for the export read it sooner.
-METRICS_REPORT_INTERVAL_MS = 2000
 
 
 @pytest.fixture(scope="session")

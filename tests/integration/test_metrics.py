@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from pdserve.cluster.metrics import METRICS
+from ray_settings import METRICS_REPORT_INTERVAL_MS
 
 pytestmark = pytest.mark.slow
 

@@ -292,3 +292,14 @@ def test_a_measured_or_assumed_link_becomes_the_handoff_term(tmp_path: Path) -> 
     slow_run = simulate(slow, ClusterShape("disaggregated", 2, 1, itl_target_s=None), *t.draw())
     assert np.allclose(fast_run.ttft_s, slow_run.ttft_s)
     assert slow_run.itl_percentile(100) > fast_run.itl_percentile(100) + 512 * 1000 / 1.25e8 * 0.9
+
+
+def test_the_served_step_factor_stretches_that_modes_engine_steps_only() -> None:
+    plain = profile()
+    served = profile(serving={"colocated": ServingProfile(step_x=2.0)})
+    a = run(plain, "colocated", [0.0], [100], [3])
+    b = run(served, "colocated", [0.0], [100], [3])
+    assert b.e2e_s[0] == pytest.approx(2 * a.e2e_s[0]) and b.ttft_s[0] == pytest.approx(2 * a.ttft_s[0])
+    d1 = run(plain, "disaggregated", [0.0], [100], [3])
+    d2 = run(served, "disaggregated", [0.0], [100], [3])
+    assert d1.e2e_s[0] == d2.e2e_s[0]
