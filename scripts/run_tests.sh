@@ -3,7 +3,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-.venv/bin/python -m pytest -q "$@"
+# --durations: the slowest tests in every run's log, to keep the suite within its time budget
+.venv/bin/python -m pytest -q --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
