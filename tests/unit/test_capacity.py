@@ -303,3 +303,8 @@ def test_the_served_step_factor_stretches_that_modes_engine_steps_only() -> None
     d1 = run(plain, "disaggregated", [0.0], [100], [3])
     d2 = run(served, "disaggregated", [0.0], [100], [3])
     assert d1.e2e_s[0] == d2.e2e_s[0]
+
+
+def test_the_example_traffic_file_loads() -> None:
+    t = Traffic.load(Path(__file__).resolve().parents[2] / "examples" / "traffic.yaml")
+    assert t.peak_rate == 3 and t.slo.percentile == 99 and t.num_requests() == 5000
