@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.bench.engine import EngineDecode, engine_prefill
 from pdserve.capacity.profile import PROFILE_VERSION, EngineProfile, Profile, ServingProfile, TransferProfile
 
 logger = logging.getLogger(__name__)
@@ -75,21 +76,7 @@ def _prompt(gen, vocab: int, n: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
 
-def _one_step_s(engine, prompt: list[int]) -> float:
-    """Add a prompt (max_tokens 1) and time the engine steps until its first token."""
-    from pdserve.engine.sampling_params import SamplingParams
-
-    engine.add_request(f"profile-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                                  ignore_eos=True))
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - t0
-
-
 def _decode_step_s(engine, prompts: list[list[int]], steps: int) -> float:
-    from pdserve.bench.engine import EngineDecode
-
     run = EngineDecode(engine, prompts, steps + 1)
     try:
         run.step()   # the first full-batch step
@@ -104,13 +91,13 @@ def profile_engine(engine, vocab: int, *, quick: bool, max_seqs: int, max_batche
     gen = torch.Generator().manual_seed(seed)
     repeats = 1 if quick else 2
     lens = [n for n in (QUICK_PREFILL if quick else PREFILL_TOKENS) if n <= max_batched]
-    _one_step_s(engine, _prompt(gen, vocab, 32))   # warm
-    pre = [statistics.median(_one_step_s(engine, _prompt(gen, vocab, n)) for _ in range(repeats)) for n in lens]
+    engine_prefill(engine, _prompt(gen, vocab, 32))   # warm
+    pre = [statistics.median(engine_prefill(engine, _prompt(gen, vocab, n)) for _ in range(repeats)) for n in lens]
     # attention over cached context: the same 1,024 tokens, then 128 more after them
     base = _prompt(gen, vocab, CTX_CACHED)
-    _one_step_s(engine, base)
-    with_ctx = _one_step_s(engine, base + _prompt(gen, vocab, CTX_NEW))
-    plain = statistics.median(_one_step_s(engine, _prompt(gen, vocab, CTX_NEW)) for _ in range(repeats))
+    engine_prefill(engine, base)
+    with_ctx = engine_prefill(engine, base + _prompt(gen, vocab, CTX_NEW))
+    plain = statistics.median(engine_prefill(engine, _prompt(gen, vocab, CTX_NEW)) for _ in range(repeats))
     attn = max(0.0, (with_ctx - plain) / (CTX_NEW * CTX_CACHED))
     batches = [b for b in (QUICK_BATCHES if quick else DECODE_BATCHES) if b <= max_seqs]
     steps = 3 if quick else 5
@@ -145,7 +132,7 @@ def _corun_main(conn, model_dir: str, dtype: str, threads: int, core: int | None
         if kind == "decode":
             engine.step()
         else:
-            _one_step_s(engine, _prompt(gen, vocab, CORUN_PROMPT))
+            engine_prefill(engine, _prompt(gen, vocab, CORUN_PROMPT))
     conn.send("stopped")
 
 
@@ -168,7 +155,7 @@ def measure_corun(engine, model_dir: str, dtype: str, threads: int, vocab: int, 
     out: dict = {}
     try:
         def prefill_s() -> float:
-            return statistics.median(_one_step_s(engine, _prompt(gen, vocab, CORUN_PROMPT)) for _ in range(repeats))
+            return statistics.median(engine_prefill(engine, _prompt(gen, vocab, CORUN_PROMPT)) for _ in range(repeats))
 
         def decode_s() -> float:
             return _decode_step_s(engine, [_prompt(gen, vocab, SHORT_PROMPT) for _ in range(CORUN_BATCH)], repeats)

@@ -109,7 +109,7 @@ def estimate(profile: Profile, traffic: Traffic) -> dict:
     binding = []
     if lone + xfer_s > traffic.slo.ttft_s:
         binding.append("SLO: a lone prompt's prefill and handoff already exceed the TTFT SLO")
-    if why == "ITL SLO" or why.startswith("ITL"):
+    if why.startswith("ITL"):
         binding.append("SLO (ITL) sets the decode batch")
     if why == "KV memory" or kv_tokens > profile.kv_capacity_tokens:
         binding.append("KV memory")

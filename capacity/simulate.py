@@ -120,7 +120,7 @@ def _mean_gap(b: int, joined: int, m: int, D0: float, g: float) -> float:
 
 
 class _Worker:
-    __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "pq_tokens", "version",
+    __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "version",
                  "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec")
 
     def __init__(self, idx: int, role: str, kv_tokens: int) -> None:
@@ -132,7 +132,6 @@ class _Worker:
         self.fin: list = []   # heap of (finish step, request)
         self.wait: deque = deque()   # decode sequences waiting for a slot or KV
         self.pq: deque = deque()     # prompts to prefill: [request, tokens left]
-        self.pq_tokens = 0
         self.version = 0
         self.next_t = math.inf       # the one valid boundary event scheduled, if any
         self.next_kind = ""          # "interval" or "step"
@@ -371,7 +370,6 @@ class Simulator:
                 for item, k, last, _ in w.step_chunks:
                     r = item[0]
                     item[1] -= k
-                    w.pq_tokens -= k
                     if w.role == "prefill":
                         p_load[w.idx] -= k
                     if last:
@@ -446,7 +444,6 @@ class Simulator:
                 p_load[p] += uncached
                 w = pw[p]
             w.pq.append([r, uncached])
-            w.pq_tokens += uncached
             wake(w, t)
 
         done = [r for r in range(n) if not math.isnan(e2e[r])]
