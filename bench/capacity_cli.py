@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 
+MAX_REQUESTS = 50_000_000   # as a traffic file's `requests`
+
+
 def _load(args: argparse.Namespace):
     from pdserve.capacity.profile import Profile, ProfileError
     from pdserve.capacity.traffic import Traffic, TrafficError
@@ -30,8 +33,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from pdserve.engine.errors import InvalidRequestError
 
     profile, traffic = _load(args)
-    if args.requests is not None and args.requests < 1:
-        raise InvalidRequestError("--requests must be >= 1")
+    if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
+        raise InvalidRequestError(f"--requests must be between 1 and {MAX_REQUESTS:,}")
     try:
         shape = ClusterShape(args.mode, args.prefill, args.decode, local_prefill_max_tokens=args.local_prefill_max_tokens,
                              itl_target_s=traffic.slo.itl_s, shared_host=args.shared_host)

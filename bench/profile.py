@@ -406,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--threads takes comma-separated integers, got {args.threads!r}") from None
     if threads and min(threads) < 1:
         raise InvalidRequestError("--threads: every count must be >= 1")
+    if not args.kv_cache_memory_gb > 0:
+        raise InvalidRequestError("--kv-cache-memory-gb must be > 0")
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < args.max_num_seqs:
         raise InvalidRequestError("need --max-num-seqs >= 1 and --max-num-batched-tokens >= --max-num-seqs")
     prof = run_profile(args.model, dtype=args.dtype, threads=threads, quick=args.quick,

@@ -98,3 +98,10 @@ def test_capacity_commands_refuse_bad_input_naming_what_is_wrong(tmp_path: Path,
     assert main(["profile", "--model", str(tmp_path), "--json", str(tmp_path / "o.json")]) == 2
     assert "no config.json there" in capsys.readouterr().err
     assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--requests", "0"]) == 2
+    assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--requests", "10000000000"]) == 2
+    assert "--requests must be between 1 and 50,000,000" in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["profile", "--model", str(model), "--json", str(tmp_path / "o.json"), "--kv-cache-memory-gb", "0"]) == 2
+    assert "--kv-cache-memory-gb must be > 0" in capsys.readouterr().err
