@@ -395,7 +395,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     p.add_argument("--attention", choices=("auto", "native", "sdpa", "both"), default="auto",
                    help="decode attention backend; both: native and sdpa side by side (default: auto)")
-    p.add_argument("--linear", choices=("auto", "dense", "packed", "gemv"), default="auto",
+    p.add_argument("--linear", choices=("auto", "dense", "packed", "gemv", "mkl_packed"), default="auto",
                    help="matmul kernels (engine.linear_backend; default: auto, timed per machine)")
 
 

@@ -130,11 +130,12 @@ class EngineSettings(_Settings):
     num_threads: int | None = Field(None, ge=1, description="Torch intra-op threads per replica; "
                                     "default: the pool's num_cpus rounded down (the worker is pinned to "
                                     "that many cores of its own while its host has them free).")
-    linear_backend: Literal["auto", "dense", "packed", "gemv"] = Field(
+    linear_backend: Literal["auto", "dense", "packed", "gemv", "mkl_packed"] = Field(
         "auto", description="Matmul kernels: 'auto' times dense (torch mm/addmm), oneDNN-packed "
-        "linears and gemv (the C++ kernel of `make setup` for calls of <= 8 rows, dense above) on the "
-        "model's shapes at start and keeps the fastest that agrees with float32, per call, cached per "
-        "CPU/dtype/shape in ~/.cache/pdserve/kernels.json; 'dense'/'packed'/'gemv' force one.")
+        "linears, gemv (the C++ kernel of `make setup` for calls of <= 8 rows, dense above) and "
+        "mkl_packed (float32 weights packed once by MKL) on the model's shapes at start and keeps the "
+        "fastest that agrees with float32, per call, cached per CPU/dtype/shape in "
+        "~/.cache/pdserve/kernels.json; 'dense'/'packed'/'gemv'/'mkl_packed' force one.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs. Only 'cpu' in a "
                                            "cluster: every worker registers its KV cache with NIXL as CPU "
                                            "(DRAM) memory to send or receive blocks, and GPU (VRAM) "

@@ -56,7 +56,7 @@ class EngineConfig:
     policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
     mode: EngineMode = EngineMode.COLOCATED
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
-    linear_backend: str = "auto"      # "auto" (timed per machine, engine/kernel_select.py) | "dense" | "packed" | "gemv"
+    linear_backend: str = "auto"      # "auto" (timed per machine, engine/kernel_select.py) | "dense" | "packed" | "gemv" | "mkl_packed"
     attention_backend: str = "auto"   # "auto" | "native" (C++, reads the paged cache in place) | "sdpa"
     seed: int = 0
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
@@ -73,8 +73,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.linear_backend not in ("auto", "dense", "packed", "gemv"):
-            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed' or 'gemv', "
+        if self.linear_backend not in ("auto", "dense", "packed", "gemv", "mkl_packed"):
+            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed', 'gemv' or 'mkl_packed', "
                              f"got {self.linear_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -4,7 +4,8 @@ At engine start, for each hot call of a decoder layer (``qkv``, ``o_add``, ``mlp
 output projection (``lm_head``):
 1. build every candidate backend ("dense": torch mm/addmm on transposed weights; "packed":
    oneDNN-packed weights with fused epilogues; "gemv": ``torch.ops.pdserve.gemv`` on dense's
-   transposed weights for M <= 8, dense's mm/addmm on the same tensors above, offered only when
+   transposed weights for M <= 8, dense's mm/addmm on the same tensors above; "mkl_packed":
+   float32 weights packed once by MKL, ``cblas_sgemm_compute`` at every M; both offered only when
    the kernel library is built) from the model's own first-layer weights;
 2. check that each agrees with the reference (dense matmuls in float32 on the same weights) at
    every timed M; a candidate that disagrees or fails is dropped;
@@ -60,12 +61,13 @@ class KernelChoice:
     rejected: dict[str, str] = field(default_factory=dict)                            # "op/backend" -> why
 
     def __post_init__(self) -> None:
-        if set(self.backends) != set(OPS) or not set(self.backends.values()) <= {"dense", "packed", "gemv"}:
-            raise ValueError(f"a kernel choice names dense/packed/gemv for each of {OPS}, got {self.backends}")
+        if set(self.backends) != set(OPS) or not set(self.backends.values()) <= {"dense", "packed", "gemv", "mkl_packed"}:
+            raise ValueError(f"a kernel choice names dense/packed/gemv/mkl_packed for each of {OPS}, "
+                             f"got {self.backends}")
 
     @property
     def summary(self) -> str:
-        """"dense", "packed", "gemv", or "mixed" when the calls differ."""
+        """"dense", "packed", "gemv", "mkl_packed", or "mixed" when the calls differ."""
         kinds = set(self.backends.values())
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
@@ -182,13 +184,15 @@ def select_kernels(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtyp
 
 def available_backends(dtype: torch.dtype) -> list[str]:
     """The backends that run on this CPU for ``dtype``: dense always, packed when oneDNN's packed
-    linear works, gemv when the kernel library is built (its absence is logged once)."""
+    linear works, gemv (float32, bfloat16) when the kernel library is built, mkl_packed (float32)
+    when it is built and torch has MKL (an absence is logged once)."""
     import torch
 
-    from pdserve.engine.linear import gemv_available, packed_available
+    from pdserve.engine.linear import gemv_available, mkl_packed_available, packed_available
 
     return (["dense"] + (["packed"] if packed_available(dtype, torch.device("cpu")) else [])
-            + (["gemv"] if dtype in (torch.float32, torch.bfloat16) and gemv_available() else []))
+            + (["gemv"] if dtype in (torch.float32, torch.bfloat16) and gemv_available() else [])
+            + (["mkl_packed"] if dtype == torch.float32 and mkl_packed_available() else []))
 
 
 def default_backend(dtype: torch.dtype, candidates: list[str]) -> str:
@@ -251,7 +255,7 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
 
     import torch
 
-    from pdserve.engine.linear import DenseLinear, GemvLinear, LmHead, PackedLinear
+    from pdserve.engine.linear import DenseLinear, GemvLinear, LmHead, MklPackedLinear, PackedLinear
 
     gen = torch.Generator().manual_seed(0)
     m_max = PREFILL_M
@@ -262,7 +266,7 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
     f32 = dataclasses.replace(layer, **{f.name: getattr(layer, f.name).float() for f in dataclasses.fields(layer)
                                         if getattr(layer, f.name) is not None})
     impls = {"reference": (DenseLinear(f32), LmHead(lm_head.float(), "dense"), torch.float32)}
-    layer_impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear}
+    layer_impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear, "mkl_packed": MklPackedLinear}
     for backend in candidates:
         impls[backend] = (layer_impls[backend](layer), LmHead(lm_head, backend), dtype)
     out: dict[str, dict[str, _Call]] = {op: {} for op in OPS}

@@ -15,6 +15,11 @@ Both expose the same three calls, so the layer never branches on the backend:
 streams the weight once, fp32 accumulation, bias/residual fused); more rows take DenseLinear's
 ``mm``/``addmm`` on the same tensors, so it holds one copy of each weight.
 
+``MklPackedLinear`` (CPU, float32) packs each weight once with MKL's ``cblas_sgemm_pack`` and runs
+``cblas_sgemm_compute`` (``torch.ops.pdserve.blas_packed_mm``): torch's ``mm`` repacks the weight on
+every call, which at decode row counts costs about as much as the products. Bias and residual adds
+ride in the GEMM (beta = 1).
+
 ``MixedLinear`` takes each call from the backend ``engine/kernel_select.py`` measured fastest for
 it on this machine; ``make_layer_linear`` builds whichever of the four a choice needs. Each
 backend builds only the weights of the calls it serves (``ops``), so no weight is held twice.
@@ -33,7 +38,7 @@ from pdserve.engine.loader import LayerWeights
 logger = logging.getLogger(__name__)
 
 LAYER_OPS = frozenset({"qkv", "o_add", "mlp_add"})
-BACKENDS = ("dense", "packed", "gemv")
+BACKENDS = ("dense", "packed", "gemv", "mkl_packed")
 GEMV_MAX_ROWS = 8   # torch.ops.pdserve.gemv takes 1..8 rows
 
 
@@ -120,6 +125,33 @@ class GemvLinear(DenseLinear):
         return self._gemv(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down_t, x)
 
 
+class MklPackedLinear:
+    """Weights packed by MKL for ``torch.ops.pdserve.blas_packed_mm`` (float32, CPU); no plain copy."""
+
+    __slots__ = ("qkv_p", "qkv_b", "n_qkv", "o_p", "o_b", "n_o", "gu_p", "down_p", "inter", "hidden", "mm")
+
+    def __init__(self, w: LayerWeights, ops: frozenset[str] = LAYER_OPS) -> None:
+        pack = torch.ops.pdserve.blas_pack
+        self.mm = torch.ops.pdserve.blas_packed_mm
+        self.n_qkv, self.n_o = w.qkv.shape[0], w.o.shape[0]
+        self.inter, self.hidden = w.down.shape[1], w.down.shape[0]
+        self.qkv_p, self.qkv_b = (pack(w.qkv), w.qkv_bias) if "qkv" in ops else (None, None)
+        self.o_p, self.o_b = (pack(w.o), w.o_bias) if "o_add" in ops else (None, None)
+        mlp = "mlp_add" in ops
+        self.gu_p = pack(w.gate_up) if mlp else None
+        self.down_p = pack(w.down) if mlp else None
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mm(h, self.qkv_p, self.n_qkv, self.qkv_b)
+
+    def o_add(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(a, self.o_p, self.n_o, x if self.o_b is None else x + self.o_b)
+
+    def mlp_add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gu = self.mm(h, self.gu_p, 2 * self.inter, None)
+        return self.mm(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down_p, self.hidden, x)
+
+
 class MixedLinear:
     """Each of the three calls from its own backend (``choice`` maps a call to one of ``BACKENDS``)."""
 
@@ -128,15 +160,16 @@ class MixedLinear:
     def __init__(self, w: LayerWeights, choice: dict[str, str]) -> None:
         self.backends = {op: choice[op] for op in sorted(LAYER_OPS)}
         ops_of = lambda name: frozenset(op for op, b in self.backends.items() if b == name)  # noqa: E731
-        impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear}
+        impls = {"dense": DenseLinear, "packed": PackedLinear, "gemv": GemvLinear, "mkl_packed": MklPackedLinear}
         built = {name: impls[name](w, ops_of(name)) for name in BACKENDS if ops_of(name)}
         pick = lambda op: getattr(built[self.backends[op]], op)  # noqa: E731
         self.qkv, self.o_add, self.mlp_add = pick("qkv"), pick("o_add"), pick("mlp_add")
 
 
 def make_layer_linear(w: LayerWeights,
-                      choice: dict[str, str]) -> DenseLinear | PackedLinear | GemvLinear | MixedLinear:
-    """The layer's matmuls as ``choice`` (call -> "dense"|"packed"|"gemv") says; unknown names raise."""
+                      choice: dict[str, str]
+                      ) -> DenseLinear | PackedLinear | GemvLinear | MklPackedLinear | MixedLinear:
+    """The layer's matmuls as ``choice`` (call -> one of ``BACKENDS``) says; unknown names raise."""
     bad = {op: b for op, b in choice.items() if b not in BACKENDS}
     if bad or not LAYER_OPS <= choice.keys():
         raise ValueError(f"a linear choice needs one of {'/'.join(BACKENDS)} for each of {sorted(LAYER_OPS)}, "
@@ -148,6 +181,8 @@ def make_layer_linear(w: LayerWeights,
         return PackedLinear(w)
     if backends == {"gemv"}:
         return GemvLinear(w)
+    if backends == {"mkl_packed"}:
+        return MklPackedLinear(w)
     return MixedLinear(w, choice)
 
 
@@ -162,6 +197,23 @@ def gemv_available() -> bool:
         return True
     logger.info("gemv matmul backend unavailable (%s); batch-1 calls use dense/packed matmuls",
                 status.reason if not status.available else "library has no gemv op")
+    return False
+
+
+@functools.cache
+def mkl_packed_available() -> bool:
+    """True when ``torch.ops.pdserve.blas_packed_mm`` is loaded and this torch build has MKL's
+    packed GEMM (looked up at run time: a torch without MKL still loads the library)."""
+    from pdserve.engine.kernels import load
+
+    status = load()
+    if status.available and hasattr(torch.ops.pdserve, "blas_packed_mm"):
+        if torch.ops.pdserve.blas_packed_available():
+            return True
+        logger.info("mkl_packed matmul backend unavailable: this torch build has no MKL packed GEMM")
+        return False
+    logger.info("mkl_packed matmul backend unavailable (%s)",
+                status.reason if not status.available else "library has no blas_packed_mm op")
     return False
 
 
@@ -189,16 +241,19 @@ def packed_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 class LmHead:
     """``x @ W^T`` for the output projection: "dense" (``F.linear`` on W itself, which may be the
-    tied embedding), "packed" (oneDNN), or "gemv" (W transposed ``[hidden, vocab]``: the gemv kernel
-    for 1..``GEMV_MAX_ROWS`` rows, ``mm`` on the same tensor above)."""
+    tied embedding), "packed" (oneDNN), "gemv" (W transposed ``[hidden, vocab]``: the gemv kernel
+    for 1..``GEMV_MAX_ROWS`` rows, ``mm`` on the same tensor above), or "mkl_packed" (W packed by
+    MKL once)."""
 
-    __slots__ = ("w", "backend")
+    __slots__ = ("w", "backend", "n")
 
     def __init__(self, w: torch.Tensor, backend: str) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"lm_head backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
-        if backend == "packed":
+        self.backend, self.n = backend, w.shape[0]
+        if backend == "mkl_packed":
+            self.w = torch.ops.pdserve.blas_pack(w)
+        elif backend == "packed":
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         elif backend == "gemv":
             self.w = w.t().contiguous()
@@ -206,6 +261,8 @@ class LmHead:
             self.w = w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "mkl_packed":
+            return torch.ops.pdserve.blas_packed_mm(x, self.w, self.n, None)
         if self.backend == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
         if self.backend == "gemv":

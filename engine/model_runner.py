@@ -21,7 +21,7 @@ from pdserve.engine.attention import PagedKVCache
 from pdserve.engine.layers import DecoderLayer, RotaryTables, rms_norm
 from pdserve.engine.dtype_probe import resolve_dtype
 from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
-from pdserve.engine.linear import LmHead, gemv_available, packed_available
+from pdserve.engine.linear import LmHead, gemv_available, mkl_packed_available, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,13 @@ class ModelRunner:
         see ``engine/dtype_probe.py``).
         ``linear_backend``: "dense" (torch matmuls), "packed" (oneDNN-packed weights with fused
         epilogues, CPU only), "gemv" (the C++ few-row kernel for calls of <= 8 rows, dense above; CPU,
-        needs the kernel library) or "auto" (each matmul call timed on this machine's real shapes at
+        needs the kernel library), "mkl_packed" (float32 weights packed once by MKL; CPU, needs the
+        kernel library and a torch with MKL) or "auto" (each matmul call timed on this machine's real shapes at
         start, the fastest that agrees with float32 kept and cached: ``engine/kernel_select.py``).
         ``attention_backend``: "native" (C++ decode attention reading the paged cache in place),
         "sdpa" (gather + torch SDPA) or "auto" (native when its library is built, on CPU)."""
-        if linear_backend not in ("auto", "dense", "packed", "gemv"):
-            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed' or 'gemv', got {linear_backend!r}")
+        if linear_backend not in ("auto", "dense", "packed", "gemv", "mkl_packed"):
+            raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed', 'gemv' or 'mkl_packed', got {linear_backend!r}")
         if dtype not in (*_DTYPES, "auto"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
         if block_size < 1:
@@ -118,6 +119,11 @@ class ModelRunner:
             if not gemv_available():
                 raise ValueError("linear_backend='gemv' needs the C++ kernel library (run `make setup`)")
             return forced("gemv")
+        if linear_backend == "mkl_packed":
+            if self.dtype != torch.float32 or not mkl_packed_available():
+                raise ValueError("linear_backend='mkl_packed' needs float32, the C++ kernel library "
+                                 "(run `make setup`) and a torch built with MKL")
+            return forced("mkl_packed")
         return select_kernels(self.weights.layers[0], self.weights.lm_head, self.dtype, KernelCache())
 
     def describe(self) -> dict[str, object]:

@@ -28,7 +28,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "pdserve_kernels.so"
-SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "rms_norm.cpp", "rope.cpp")
+SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "blas_packed.cpp", "rms_norm.cpp",
+           "rope.cpp")
 HEADERS = ("vec_host.h",)
 _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-fno-math-errno")
@@ -87,7 +88,7 @@ def build(force: bool = False) -> Path:
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd += [str(_CSRC / name) for name in SOURCES]
     # torch ships its own libgomp.so.1: linking that one keeps a single OpenMP runtime per process
-    cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+    cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ldl", f"-Wl,-rpath,{torch_lib}"]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)

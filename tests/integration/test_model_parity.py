@@ -131,10 +131,10 @@ def test_fp32_logits_match_transformers(model_pair, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("dense", "sdpa")])
+@pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("mkl_packed", "auto"), ("dense", "sdpa")])
 def test_fp32_llama_other_kernels_match_transformers(linear, attention):
     """One Llama case per alternative path, so each stays covered: the gemv matmuls (every decode
-    step here has at most 8 rows) and the gather + SDPA decode attention."""
+    step here has at most 8 rows), MKL's packed matmuls and the gather + SDPA decode attention."""
     model_dir = ensure_model("tiny")
     hf = _hf(model_dir)
     runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=64, num_threads=1,
