@@ -9,9 +9,10 @@ output projection (``lm_head``):
    the kernel library is built) from the model's own first-layer weights;
 2. check that each agrees with the reference (dense matmuls in float32 on the same weights) at
    every timed M; a candidate that disagrees or fails is dropped;
-3. time each on the real shapes, decode ``M`` in ``DECODE_M`` and one prefill ``M``, best of
+3. time each on the real shapes, decode ``M`` in ``DECODE_M`` and prefill ``M`` in ``PREFILL_M``, best of
    ``repeats`` (min: a shared machine only ever adds time);
-4. score = mean over the ``M``s of time relative to the default backend; switch away from the
+4. score = mean over the ``M``s of time relative to the default backend (the LM head: over the
+   decode ``M``s only, since it runs on one row per sequence); switch away from the
    default only when the winner is clearly faster (``SWITCH_MARGIN``), since timing is noisy;
 5. cache the choice in ``kernels.json`` under the cache directory, keyed by CPU model, CPU flags,
    torch version, dtype, threads and shapes, so a second start costs nothing. The file is locked
@@ -44,11 +45,12 @@ logger = logging.getLogger(__name__)
 
 OPS = ("qkv", "o_add", "mlp_add", "lm_head")
 DECODE_M = (1, 8, 32)
-PREFILL_M = 256
+PREFILL_M = (256, 1024)   # a chunk of a few prompts, and a long one (packed weights differ there)
 SWITCH_MARGIN = 0.05
 REPEATS = 5
 CACHE_FILE = "kernels.json"
-_FORMAT = 2   # 2: "gemv" joined the candidates; entries of format 1 are dropped and measured again
+_FORMAT = 3   # 3: the LM head scored at decode M only, prefill M 1024 added (2: "gemv" joined); older
+              # entries are measured again
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,7 @@ def cache_key(dtype: str, threads: int, shapes: dict[str, int],
               candidates: list[str] | None = None) -> tuple[str, dict[str, object]]:
     """The entry's key (a hash) and the fields it hashes; ``candidates`` are the backends offered
     here, so a host that gains or loses the gemv library measures again."""
-    fields = {**machine_key(), "dtype": dtype, "threads": threads, "shapes": shapes, "m": [*DECODE_M, PREFILL_M],
+    fields = {**machine_key(), "dtype": dtype, "threads": threads, "shapes": shapes, "m": [*DECODE_M, *PREFILL_M],
               "format": _FORMAT, "candidates": sorted(candidates or ["dense"])}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24], fields
 
@@ -219,10 +221,19 @@ def measure(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype, cand
                 rejected[f"{op}/{backend}"] = why
                 logger.warning("kernel %s/%s rejected: %s", op, backend, why)
                 continue
-            ok[backend] = {str(m): round(_best_us(calls[op][backend], m, repeats), 1) for m in (*DECODE_M, PREFILL_M)}
+            ok[backend] = {str(m): round(_best_us(calls[op][backend], m, repeats), 1) for m in (*DECODE_M, *PREFILL_M)}
         timings[op] = ok
-        backends[op] = pick(ok, default)
+        backends[op] = pick(_scored_shapes(op, ok), default)
     return KernelChoice(backends, "measured", timings, rejected)
+
+
+def _scored_shapes(op: str, timings: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The timings a choice is scored on: every M, except for the LM head, which runs on one row
+    per sequence (a prompt's last token, each decode row), so only its decode M count."""
+    if op != "lm_head":
+        return timings
+    decode = {str(m) for m in DECODE_M}
+    return {b: {m: t for m, t in ms.items() if m in decode} for b, ms in timings.items()}
 
 
 def pick(timings: dict[str, dict[str, float]], default: str, margin: float = SWITCH_MARGIN) -> str:
@@ -258,7 +269,7 @@ def _calls(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype,
     from pdserve.engine.linear import DenseLinear, GemvLinear, LmHead, MklPackedLinear, PackedLinear
 
     gen = torch.Generator().manual_seed(0)
-    m_max = PREFILL_M
+    m_max = max(PREFILL_M)
     hidden, attn = layer.qkv.shape[1], layer.o.shape[1]
     h = torch.randn(m_max, hidden, generator=gen).to(dtype)
     a = torch.randn(m_max, attn, generator=gen).to(dtype)
@@ -284,7 +295,7 @@ def _disagreement(calls: dict[str, dict[str, _Call]], op: str, backend: str, tol
     import torch
 
     with torch.inference_mode():
-        for m in (*DECODE_M, PREFILL_M):
+        for m in (*DECODE_M, *PREFILL_M):
             ref = calls[op]["reference"](m).float()
             try:
                 got = calls[op][backend](m).float()

@@ -24,8 +24,12 @@ namespace {
 
 // CBLAS enum values (mkl_cblas.h)
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
-// the M a pack is sized for; compute takes any M (B's packed layout does not depend on it)
-constexpr int kPackRows = 32;
+// The M a pack is made for; compute takes any M. MKL picks the packed blocking from it (measured
+// 2026-12-03, Intel Xeon, small's shapes): packed for M = 32, calls of 256+ rows ran 0.6-0.8x
+// torch's mm; packed for 2,048, the [1536 -> 576] projection ran 0.5x at every M on two threads;
+// packed for 256, M 8-256 ran 1.05-1.5x and M 1,024 0.74-1.1x. The kernel selector times M 1,024
+// too, so a call where that costs more than decode gains stays on dense.
+constexpr int kPackRows = 256;
 
 using PackGetSize = size_t (*)(int, int, int, int);
 using Pack = void (*)(int, int, int, int, int, int, float, const float*, int, float*);
