@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 # name -> (module, one-line help)
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.bench.engine", "engine decode/prefill against rooflines and transformers"),
+    "linear": ("pdserve.bench.linear", "the engine's matmul backends side by side on the real model"),
     "transfer": ("pdserve.bench.transfer", "KV block transfer bandwidth and latency"),
     "router": ("pdserve.bench.router", "router latency and serving load"),
     "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),

@@ -22,3 +22,27 @@ def test_bench_engine_times_the_model_runner_inside_each_step(tiny_model) -> Non
     finally:
         decode.close()
     assert "execute_scored" not in vars(engine.runner)   # the hook is gone again
+
+
+def test_bench_linear_runs_the_backends_side_by_side(tmp_path, capsys) -> None:
+    """``pdserve bench linear`` end to end on the tiny model: each backend's engine runs, the JSON
+    has every decode batch and prompt length with a ratio, and bad arguments are refused."""
+    import argparse
+    import json
+
+    from pdserve.bench import linear as bench_linear
+
+    def args(**kw) -> argparse.Namespace:
+        base = dict(json=tmp_path / "linear.json", backends="dense,mkl_packed", threads=1, batches="1,3",
+                    prompts="20", model="tiny", steps=5, rounds=1)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert bench_linear.run(args()) == 0
+    out = json.loads((tmp_path / "linear.json").read_text())
+    assert set(out["decode_step_ms"]) == {"1", "3"} and set(out["prefill_ms"]) == {"20"}
+    assert out["kernels"]["mkl_packed"].startswith("qkv=mkl_packed")
+    assert all(v["mkl_packed"] > 0 for v in out["decode_speedup"].values())
+    assert "mkl_packed/dense" in capsys.readouterr().out
+    for bad in (dict(backends="dense"), dict(backends="dense,fast"), dict(batches="0"), dict(model="huge"),
+                dict(prompts="x")):
+        assert bench_linear.run(args(**bad)) == 2
