@@ -11,8 +11,8 @@ output projection (``lm_head``):
    every timed M; a candidate that disagrees or fails is dropped;
 3. time each on the real shapes, decode ``M`` in ``DECODE_M`` and prefill ``M`` in ``PREFILL_M``, best of
    ``repeats`` (min: a shared machine only ever adds time);
-4. score = mean over the ``M``s of time relative to the default backend (the LM head: over the
-   decode ``M``s only, since it runs on one row per sequence); switch away from the
+4. score = mean over the ``M``s of time relative to the default backend (the LM head is timed at
+   the decode ``M``s only, since it runs on one row per sequence); switch away from the
    default only when the winner is clearly faster (``SWITCH_MARGIN``), since timing is noisy;
 5. cache the choice in ``kernels.json`` under the cache directory, keyed by CPU model, CPU flags,
    torch version, dtype, threads and shapes, so a second start costs nothing. The file is locked
@@ -221,19 +221,16 @@ def measure(layer: LayerWeights, lm_head: torch.Tensor, dtype: torch.dtype, cand
                 rejected[f"{op}/{backend}"] = why
                 logger.warning("kernel %s/%s rejected: %s", op, backend, why)
                 continue
-            ok[backend] = {str(m): round(_best_us(calls[op][backend], m, repeats), 1) for m in (*DECODE_M, *PREFILL_M)}
+            ok[backend] = {str(m): round(_best_us(calls[op][backend], m, repeats), 1) for m in timed_m(op)}
         timings[op] = ok
-        backends[op] = pick(_scored_shapes(op, ok), default)
+        backends[op] = pick(ok, default)
     return KernelChoice(backends, "measured", timings, rejected)
 
 
-def _scored_shapes(op: str, timings: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """The timings a choice is scored on: every M, except for the LM head, which runs on one row
-    per sequence (a prompt's last token, each decode row), so only its decode M count."""
-    if op != "lm_head":
-        return timings
-    decode = {str(m) for m in DECODE_M}
-    return {b: {m: t for m, t in ms.items() if m in decode} for b, ms in timings.items()}
+def timed_m(op: str) -> tuple[int, ...]:
+    """The row counts ``op`` is timed at: decode and prefill sizes, except for the LM head, which
+    runs on one row per sequence (a prompt's last token, each decode row): decode sizes only."""
+    return DECODE_M if op == "lm_head" else (*DECODE_M, *PREFILL_M)
 
 
 def pick(timings: dict[str, dict[str, float]], default: str, margin: float = SWITCH_MARGIN) -> str:
@@ -295,7 +292,7 @@ def _disagreement(calls: dict[str, dict[str, _Call]], op: str, backend: str, tol
     import torch
 
     with torch.inference_mode():
-        for m in (*DECODE_M, *PREFILL_M):
+        for m in timed_m(op):
             ref = calls[op]["reference"](m).float()
             try:
                 got = calls[op][backend](m).float()

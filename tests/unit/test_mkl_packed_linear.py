@@ -86,7 +86,7 @@ def test_selector_offers_mkl_packed_for_float32_only() -> None:
     choice = ks.measure(w, head, torch.float32, candidates, "dense", repeats=2)
     assert not choice.rejected
     for op in ks.OPS:
-        assert set(choice.timings_us[op]["mkl_packed"]) == {"1", "8", "32", "256", "1024"}
+        assert set(choice.timings_us[op]["mkl_packed"]) == {str(m) for m in ks.timed_m(op)}
 
 
 def test_forced_mkl_packed_engine_greedy_tokens_match_dense(tiny_model) -> None:
@@ -113,9 +113,7 @@ def test_forced_mkl_packed_needs_float32(tiny_model) -> None:
         ModelRunner(tiny_model, dtype="bfloat16", num_blocks=4, linear_backend="mkl_packed")
 
 
-def test_lm_head_is_scored_on_decode_rows_only() -> None:
-    """The LM head runs on one row per sequence: a backend slow only at prefill M still wins it."""
-    timings = {"dense": {"1": 10.0, "8": 20.0, "32": 40.0, "256": 100.0},
-               "mkl_packed": {"1": 8.0, "8": 12.0, "32": 25.0, "256": 400.0}}
-    assert ks.pick(ks._scored_shapes("lm_head", timings), "dense") == "mkl_packed"
-    assert ks.pick(ks._scored_shapes("mlp_add", timings), "dense") == "dense"
+def test_lm_head_is_timed_on_decode_rows_only() -> None:
+    """The LM head runs on one row per sequence: it is timed (and chosen) at decode M only."""
+    assert ks.timed_m("lm_head") == ks.DECODE_M
+    assert ks.timed_m("mlp_add") == (*ks.DECODE_M, *ks.PREFILL_M)
