@@ -21,7 +21,7 @@ every call, which at decode row counts costs about as much as the products. Bias
 ride in the GEMM (beta = 1).
 
 ``MixedLinear`` takes each call from the backend ``engine/kernel_select.py`` measured fastest for
-it on this machine; ``make_layer_linear`` builds whichever of the four a choice needs. Each
+it on this machine; ``make_layer_linear`` builds whichever a choice needs. Each
 backend builds only the weights of the calls it serves (``ops``), so no weight is held twice.
 """
 

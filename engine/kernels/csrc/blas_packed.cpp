@@ -82,6 +82,7 @@ at::Tensor blas_packed_mm(const at::Tensor& x, const at::Tensor& wp, int64_t n, 
               "x must be a float32 [M, K] with unit column stride");
   TORCH_CHECK(wp.scalar_type() == at::kFloat && wp.dim() == 1 && wp.is_contiguous(), "wp must come from blas_pack");
   const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m <= 1 || x.stride(0) >= k, "x's rows must not overlap (row stride >= K)");
   TORCH_CHECK(n > 0 && static_cast<size_t>(wp.numel()) * 4 >= b.get_size(kBMatrix, kPackRows, n, k),
               "wp is smaller than a packed [", n, ", ", k, "] weight");
   at::Tensor out = at::empty({m, n}, x.options());  // always fresh: MKL writes C, never the caller's add
