@@ -117,3 +117,9 @@ def test_lm_head_is_timed_on_decode_rows_only() -> None:
     """The LM head runs on one row per sequence: it is timed (and chosen) at decode M only."""
     assert ks.timed_m("lm_head") == ks.DECODE_M
     assert ks.timed_m("mlp_add") == (*ks.DECODE_M, *ks.PREFILL_M)
+
+
+def test_overlapping_rows_are_refused() -> None:
+    wp = torch.ops.pdserve.blas_pack(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="overlap"):
+        torch.ops.pdserve.blas_packed_mm(torch.randn(1, 8).expand(3, 8), wp, 16, None)
