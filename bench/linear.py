@@ -33,9 +33,6 @@ from pdserve.bench.common import run_and_save
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS = ("dense", "packed", "gemv", "mkl_packed", "auto")
-
-
 @dataclass(frozen=True)
 class Settings:
     backends: tuple[str, ...]
@@ -58,9 +55,12 @@ def _ints(text: str, name: str, lo: int, hi: int) -> tuple[int, ...]:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    from pdserve.engine.linear import BACKENDS
+
+    names = (*BACKENDS, "auto")
     backends = tuple(b.strip() for b in args.backends.split(","))
-    if len(backends) < 2 or len(set(backends)) != len(backends) or not set(backends) <= set(_BACKENDS):
-        raise ValueError(f"--backends takes two or more distinct names of {', '.join(_BACKENDS)}, got {args.backends!r}")
+    if len(backends) < 2 or len(set(backends)) != len(backends) or not set(backends) <= set(names):
+        raise ValueError(f"--backends takes two or more distinct names of {', '.join(names)}, got {args.backends!r}")
     if not 1 <= args.threads <= (os.cpu_count() or 1):
         raise ValueError(f"--threads must lie in 1..{os.cpu_count()}, got {args.threads}")
     if not 5 <= args.steps <= 500:
@@ -152,7 +152,8 @@ def format_table(r: dict) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, metavar="FILE", help="write the full result here")
     p.add_argument("--backends", default="dense,mkl_packed,auto",
-                   help=f"comma-separated, two or more of {', '.join(_BACKENDS)}; ratios against the first")
+                   help="comma-separated, two or more engine.linear_backend values (auto included); "
+                        "ratios against the first")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: 1,8,32)")
     p.add_argument("--prompts", default="128,512,2048", help="prefill prompt lengths (default: 128,512,2048)")

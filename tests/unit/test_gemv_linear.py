@@ -12,6 +12,7 @@ from pdserve.engine.kernels import build
 from pdserve.engine.linear import (GEMV_MAX_ROWS, DenseLinear, GemvLinear, LmHead, MixedLinear,
                                    make_layer_linear)
 from pdserve.engine.loader import LayerWeights
+from tests.kernel_checks import forced_backend_greedy_tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,18 +129,4 @@ def test_cache_of_the_previous_format_is_not_reused(tmp_path) -> None:
 
 
 def test_forced_gemv_engine_greedy_tokens_match_dense(tiny_model) -> None:
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-
-    prompts = [[5, 9, 13, 2, 77, 31], [101, 4, 8]]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    out = {}
-    for backend in ("dense", "gemv"):
-        engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), dtype="float32", num_blocks=16,
-                                        linear_backend=backend))
-        assert engine.runner.kernels.source == "forced"
-        assert engine.runner.describe()["kernels"] == dict.fromkeys(ks.OPS, backend)
-        out[backend] = engine.generate(prompts, params)
-    assert all(len(t) == 12 for t in out["dense"])
-    assert out["gemv"] == out["dense"]
+    assert forced_backend_greedy_tokens(tiny_model, "gemv") == forced_backend_greedy_tokens(tiny_model, "dense")
