@@ -450,6 +450,10 @@ class ClusterConfig(_Settings):
         if self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
+        for role in ("prefill", "decode"):
+            if self.pool(role).engine.linear_backend == "mkl_packed" and self.model.dtype == "bfloat16":
+                raise ValueError(f"{role}.engine.linear_backend: 'mkl_packed' packs float32 weights; with "
+                                 "model.dtype 'bfloat16' use 'auto', 'packed' or 'dense'")
         return self
 
     def worker_engine_config(self, role: str) -> EngineConfig:

@@ -126,6 +126,9 @@ ERROR_CASES = [
     ("block sizes differ", M + "prefill: {engine: {block_size: 32}}\n",
      "cluster.yaml:1: decode.engine.block_size: must equal prefill.engine.block_size (32); "
      "KV blocks move between the pools as is"),
+    ("mkl_packed in bf16", "model: {path: /m, dtype: bfloat16}\ndecode: {engine: {linear_backend: mkl_packed}}\n",
+     "cluster.yaml:2: decode.engine.linear_backend: 'mkl_packed' packs float32 weights; with model.dtype "
+     "'bfloat16' use 'auto', 'packed' or 'dense'"),
     ("both KV sizes", M + "decode: {engine: {num_kv_blocks: 100, kv_cache_memory_gb: 1}}\n",
      "cluster.yaml:2: decode.engine.num_kv_blocks: set either num_kv_blocks or kv_cache_memory_gb, not both"),
     ("batch smaller than seqs", M + "decode: {engine: {max_num_seqs: 128, max_num_batched_tokens: 64}}\n",
