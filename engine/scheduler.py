@@ -13,6 +13,13 @@ Each :meth:`Scheduler.schedule` call builds one step's batch within ``max_num_ba
    budget and the free blocks allow, and no preemption happened this step (so a victim is not
    readmitted at once). Without chunked prefill a prompt is admitted only if it fits whole.
 
+While interactive sequences decode, batch prompts never share their steps: a step that decodes
+interactive streams carries at most a few batch decodes and no batch prompt tokens, and the step
+after it, when a batch prompt or a batch decode was left out, is a *batch turn* of batch work
+alone (every batch decode and one bounded prompt chunk). A batch-only step can be cut short by an interactive arrival
+(``LLMEngine.interrupt``); a step with interactive work cannot, so an arrival never waits out a
+batch prompt chunk.
+
 Under the STATIC policy (a benchmark baseline) step 3 runs only when nothing is running, and then
 ignores the token budget when admitting, so one batch forms and runs until every member finishes.
 
@@ -41,6 +48,9 @@ BATCH_PREFILL_TOKENS_PER_STEP = 256
 # ... and while interactive sequences decode: their every step carries the batch prompt chunk,
 # and an interactive request arriving during it waits for it.
 BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE = 64
+# Batch decodes an interactive step carries; the rest wait for the batch turn after it (say when
+# interactive traffic starts while a batch runs many sequences on the idle engine).
+BATCH_DECODES_BESIDE_INTERACTIVE = 4
 
 
 @dataclass(slots=True)
@@ -85,6 +95,12 @@ class Scheduler:
         self._running: dict[str, Sequence] = {}     # admission order
         self._seqs: dict[str, Sequence] = {}        # every unfinished sequence, waiting or running
         self.num_preemptions_total = 0
+        # Batch prompt chunks run in batch turns of their own beside interactive decodes (the
+        # module docstring); False mixes them into interactive steps (a benchmark's ablation).
+        self.batch_prefill_apart = True
+        self._batch_turn_due = False
+        self._batch_decodes_deferred = False
+        self.num_batch_turns = 0
 
     # ------------------------------------------------------------------ queues
     @property
@@ -168,13 +184,31 @@ class Scheduler:
             order = [s for s in order if s.priority is not Priority.BATCH]
         interactive = any(s.priority is Priority.INTERACTIVE for s in order)
         batch_prefill = BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE if interactive else BATCH_PREFILL_TOKENS_PER_STEP
+        # Beside interactive decodes, batch prompt tokens wait for a batch turn (module docstring).
+        defer_batch_prefill = False
+        if (interactive and not pause_batch and self.batch_prefill_apart
+                and self.config.policy is not SchedulingPolicy.STATIC):
+            if self._batch_turn_due and (self._batch_decodes_deferred or self._batch_prefill_pending()):
+                order = [s for s in order if s.priority is Priority.BATCH]
+                self._batch_turn_due = False
+                self.num_batch_turns += 1
+            else:
+                defer_batch_prefill = True
+                self._batch_turn_due = True
 
         # 1) decodes, one token each.
+        self._batch_decodes_deferred = False
+        batch_decodes = BATCH_DECODES_BESIDE_INTERACTIVE if defer_batch_prefill else None
         for seq in order:
             if budget == 0:
                 break
             if seq.in_prefill or seq.request_id not in self._running:
                 continue
+            if batch_decodes is not None and seq.priority is Priority.BATCH:
+                if batch_decodes == 0:
+                    self._batch_decodes_deferred = True
+                    continue
+                batch_decodes -= 1
             if not self._make_room_for_decode(seq, scheduled, out):
                 continue  # seq itself was preempted
             self.block_manager.append_slot(seq)
@@ -191,6 +225,8 @@ class Scheduler:
                 break
             if not seq.in_prefill or seq.request_id not in self._running:
                 continue
+            if defer_batch_prefill and seq.priority is Priority.BATCH:
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             room = budget if seq.priority is not Priority.BATCH else min(budget, batch_prefill)
             if remaining > room and not self.config.enable_chunked_prefill:
@@ -206,10 +242,20 @@ class Scheduler:
         static = self.config.policy is SchedulingPolicy.STATIC
         if len(out.preempted) == yielded and not (static and was_running):
             budget = self._admit(out, budget, scheduled, ignore_budget=static,
-                                 batch_too=not yielded and not pause_batch, batch_prefill=batch_prefill)
+                                 batch_too=not yielded and not pause_batch and not defer_batch_prefill,
+                                 batch_prefill=batch_prefill)
         out.num_prefill_tokens = max(0, prefill_from - budget)
         out.num_batched_tokens = out.num_decode_tokens + out.num_prefill_tokens
         return out
+
+    def _batch_prefill_pending(self) -> bool:
+        """Whether a batch turn would have prompt tokens to run: a running batch sequence still
+        prefilling, or a waiting one that could be admitted now."""
+        if any(s.priority is Priority.BATCH and s.in_prefill for s in self._running.values()):
+            return True
+        queue = self._waiting[Priority.BATCH]
+        return (bool(queue) and len(self._running) < self.config.max_num_seqs
+                and self.block_manager.can_allocate(queue[0]))
 
     def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[str], ignore_budget: bool,
                batch_too: bool = True, batch_prefill: int | None = None) -> int:

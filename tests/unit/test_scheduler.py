@@ -486,8 +486,10 @@ def test_without_a_prefill_budget_a_prompt_takes_the_whole_step_budget():
     assert_nothing_leaked(sched)
 
 
-def test_batch_prompts_take_smaller_chunks_while_interactive_sequences_decode():
-    """Alone, a batch prompt takes up to 256 tokens a step; beside interactive decodes, 64."""
+def test_batch_prompts_take_smaller_chunks_in_turns_of_their_own_beside_interactive_decodes():
+    """Alone, a batch prompt takes up to 256 tokens a step. Beside interactive decodes it never
+    shares their step: interactive steps (with the batch decodes) alternate with batch turns of
+    batch work alone and at most 64 prompt tokens, which an interactive arrival may cut short."""
     from pdserve.engine.scheduler import BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE, BATCH_PREFILL_TOKENS_PER_STEP
 
     sched = make_scheduler(num_blocks=512, max_num_batched_tokens=1024, max_model_len=1024)
@@ -496,12 +498,60 @@ def test_batch_prompts_take_smaller_chunks_while_interactive_sequences_decode():
     out, _ = fake_step(sched)
     assert [c.num_tokens for c in out.chunks] == [BATCH_PREFILL_TOKENS_PER_STEP]
     run_until_done(sched)
-    inter = make_seq(priority=INTERACTIVE, prompt_len=8, max_tokens=50)
+    inter = make_seq("i", priority=INTERACTIVE, prompt_len=8, max_tokens=50)
+    decoding = make_seq("d", priority=BATCH, prompt_len=8, max_tokens=50)
+    sched.add(decoding)
+    fake_step(sched)                                   # the batch prompt, alone: one step
     sched.add(inter)
-    fake_step(sched)                                   # its prefill (batch work sits it out)
-    beside = make_seq(priority=BATCH, prompt_len=600, max_tokens=2)
+    out, _ = fake_step(sched)                          # its prefill (batch work sits it out)
+    assert [c.seq.request_id for c in out.chunks] == ["i"]
+    beside = make_seq("b", priority=BATCH, prompt_len=200, max_tokens=2)
     sched.add(beside)
+    kinds = []
+    for _ in range(8):
+        out, _ = fake_step(sched)
+        kinds.append(sorted((c.seq.request_id, c.num_tokens) for c in out.chunks))
+    turn = [("b", BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE), ("d", 1)]
+    last = [("b", 200 - 3 * BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE), ("d", 1)]
+    assert kinds == [[("d", 1), ("i", 1)], turn, [("d", 1), ("i", 1)], turn,
+                     [("d", 1), ("i", 1)], turn, [("d", 1), ("i", 1)], last]
+    assert sched.num_batch_turns == 4
+    # with nothing left to prefill there are no batch turns: every step decodes all three
+    out, _ = fake_step(sched)
+    assert sorted(c.seq.request_id for c in out.chunks) == ["b", "d", "i"]
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
+    # the ablation: batch prompt chunks ride in the interactive steps
+    sched = make_scheduler(num_blocks=512, max_num_batched_tokens=1024, max_model_len=1024)
+    sched.batch_prefill_apart = False
+    sched.add(make_seq("i", priority=INTERACTIVE, prompt_len=8, max_tokens=50))
+    fake_step(sched)
+    sched.add(make_seq("b", priority=BATCH, prompt_len=600, max_tokens=2))
     out, _ = fake_step(sched)
     assert sorted(c.num_tokens for c in out.chunks) == [1, BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE]
     run_until_done(sched)
+    assert_nothing_leaked(sched)
+
+
+def test_an_interactive_step_carries_a_few_batch_decodes_and_a_batch_turn_the_rest():
+    """Many batch sequences decoding when interactive traffic starts: each interactive step takes
+    the earliest few of them, and the batch turn after it decodes them all, interactive left out."""
+    from pdserve.engine.scheduler import BATCH_DECODES_BESIDE_INTERACTIVE as CAP
+
+    sched = make_scheduler(num_blocks=512, max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024)
+    batch = [make_seq(f"b{i}", priority=BATCH, prompt_len=8, max_tokens=40) for i in range(CAP + 4)]
+    for seq in batch:
+        sched.add(seq)
+    fake_step(sched)                                   # every batch prompt, one step
+    inter = make_seq("i", priority=INTERACTIVE, prompt_len=8, max_tokens=20)
+    sched.add(inter)
+    fake_step(sched)                                   # its prefill, alone
+    out, _ = fake_step(sched)
+    assert sorted(c.seq.request_id for c in out.chunks) == sorted(["i"] + [f"b{i}" for i in range(CAP)])
+    out, _ = fake_step(sched)
+    assert sorted(c.seq.request_id for c in out.chunks) == sorted(s.request_id for s in batch)
+    out, _ = fake_step(sched)
+    assert sorted(c.seq.request_id for c in out.chunks) == sorted(["i"] + [f"b{i}" for i in range(CAP)])
+    run_until_done(sched)
+    assert all(len(s.output_token_ids) == 40 for s in batch) and len(inter.output_token_ids) == 20
     assert_nothing_leaked(sched)
