@@ -35,19 +35,54 @@ def _simulate(args: argparse.Namespace) -> int:
     profile, traffic = _load(args)
     if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
         raise InvalidRequestError(f"--requests must be between 1 and {MAX_REQUESTS:,}")
+    planner = None
     try:
-        shape = ClusterShape(args.mode, args.prefill, args.decode, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        if args.planner is not None:
+            planner, mode = _planner(args, profile)
+            prefill, decode = planner.setup.prefill.initial, planner.setup.decode.initial
+        else:
+            if args.worker_start_s is not None:
+                raise InvalidRequestError("--worker-start-s is the simulated planner's; give it with --planner")
+            mode = args.mode or "disaggregated"
+            prefill = 1 if args.prefill is None else args.prefill
+            decode = 1 if args.decode is None else args.decode
+        shape = ClusterShape(mode, prefill, decode, local_prefill_max_tokens=args.local_prefill_max_tokens,
                              itl_target_s=traffic.slo.itl_s, shared_host=args.shared_host)
+        if planner is not None and shape.shared_host:
+            raise ValueError("--shared-host pairs fixed workers; it does not go with --planner")
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
     arrays = traffic.draw(args.requests)
-    result = simulate(profile, shape, *arrays)
+    result = simulate(profile, shape, *arrays, planner=planner)
     out = {"shape": {"mode": shape.mode, "prefill": shape.prefill, "decode": shape.decode},
            "traffic": {"peak_rate": traffic.peak_rate, "requests": len(arrays[0])}, **result.summary()}
+    if planner is not None:
+        setup = planner.setup
+        out["planner"]["setup"] = {
+            "config": str(args.planner), "interval_s": setup.interval_s, "worker_start_s": setup.worker_start_s,
+            "capacity_model": setup.use_model,
+            "prefill": [setup.prefill.min_replicas, setup.prefill.initial, setup.prefill.max_replicas],
+            "decode": [setup.decode.min_replicas, setup.decode.initial, setup.decode.max_replicas]}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(format_sim(out))
     return 0
+
+
+def _planner(args: argparse.Namespace, profile):
+    """The simulated planner from ``--planner CONFIG``: (SimPlanner, mode)."""
+    from pdserve.capacity.sim_planner import PlannerSetup, SimPlanner
+    from pdserve.engine.errors import InvalidRequestError
+
+    given = [f for f, v in (("--prefill", args.prefill), ("--decode", args.decode), ("--mode", args.mode))
+             if v is not None]
+    if given:
+        raise InvalidRequestError(f"with --planner the mode and the pools' sizes come from {args.planner} "
+                                  f"(disaggregation.mode; initial, min and max replicas): drop {', '.join(given)}")
+    start = profile.worker_start_s if args.worker_start_s is None else args.worker_start_s
+    setup, mode = PlannerSetup.from_config(args.planner, worker_start_s=start)   # ConfigError: a 4xx already
+    max_seqs = int(profile.engine["max_num_seqs"])
+    return SimPlanner(setup, profile, mode, max_seqs), mode
 
 
 def format_sim(out: dict) -> str:
@@ -62,6 +97,18 @@ def format_sim(out: dict) -> str:
              f"{ms(out['ttft_s'], 'p99')}   ITL p50 {ms(out['itl_s'], 'p50')} p99 {ms(out['itl_s'], 'p99')}   "
              f"e2e p50 {ms(out['e2e_s'], 'p50')} p99 {ms(out['e2e_s'], 'p99')}",
              f"  simulated in {out['sim_wall_s']:.2f} s ({out['events']} events)"]
+    if (pl := out.get("planner")) is not None:
+        su = pl.get("setup", {})
+        ws = pl["worker_seconds"]
+        lines.append(f"  planner ({su.get('config', '')}; every {su.get('interval_s', '?')} s, workers start in "
+                     f"{su.get('worker_start_s', 0):.0f} s, capacity model {'on' if su.get('capacity_model') else 'off'}): "
+                     f"{pl['scale_ups']} scale-ups, {pl['scale_downs']} scale-downs; most replicas "
+                     f"{pl['most_replicas']['prefill']} prefill + {pl['most_replicas']['decode']} decode; "
+                     f"worker-hours {ws['prefill'] / 3600:.2f} prefill + {ws['decode'] / 3600:.2f} decode")
+        for d in pl["decisions"][:20]:
+            lines.append(f"    t={d['t']:.0f} s {d['pool']} {d['action']} {d['from']} -> {d['to']}: {d['reason']}")
+        if len(pl["decisions"]) > 20:
+            lines.append(f"    ... {len(pl['decisions']) - 20} more in the JSON")
     lines += [f"  note: {n}" for n in out.get("notes", [])]
     return "\n".join(lines)
 
@@ -109,9 +156,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate a cluster shape under a traffic description")
     p.add_argument("--profile", required=True, help="a `pdserve profile` JSON")
     p.add_argument("--traffic", required=True, help="traffic YAML/JSON (see docs/capacity.md)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0 with --mode colocated)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: workers)")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "conditional", "colocated"])
+    p.add_argument("--prefill", type=int, help="prefill workers (0 with --mode colocated; default 1)")
+    p.add_argument("--decode", type=int, help="decode workers (colocated: workers; default 1)")
+    p.add_argument("--mode", choices=["disaggregated", "conditional", "colocated"],
+                   help="default: disaggregated")
+    p.add_argument("--planner", metavar="CONFIG", help="a cluster config (YAML): its planner scales the "
+                   "simulated pools between their min and max replicas, from their initial ones, in the mode "
+                   "of its disaggregation.mode")
+    p.add_argument("--worker-start-s", type=float, help="with --planner: seconds a new worker takes to "
+                   "serve (default: the profile's worker start)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=64, help="conditional mode's threshold")
     p.add_argument("--requests", type=int, help="requests to draw (default: the traffic file's)")
     p.add_argument("--shared-host", action="store_true", help="prefill worker i and decode worker i share a host "

@@ -30,15 +30,20 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from pdserve.capacity.profile import EngineProfile, Profile
 
+if TYPE_CHECKING:
+    from pdserve.capacity.sim_planner import SimPlanner
+
 Mode = Literal["disaggregated", "conditional", "colocated"]
 
-_ARRIVE, _BOUNDARY, _READY = 0, 1, 2
+_ARRIVE, _BOUNDARY, _READY, _TICK, _UP = 0, 1, 2, 3, 4
+_OFF, _STARTING, _ON, _DRAINING = 0, 1, 2, 3
+_AWAY = 1 << 40   # added to a worker's routing load while it takes no new request
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,7 @@ class SimResult:
     events: int
     queued_at_end: int = 0
     notes: list[str] = field(default_factory=list)
+    planner: dict | None = None     # what the simulated planner did (``--planner``)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -106,6 +112,7 @@ class SimResult:
             "itl_s": {f"p{q}": self.itl_percentile(q) for q in (50, 90, 99)},
             "e2e_s": {f"p{q}": pct(self.e2e_s, q) for q in (50, 90, 99)},
             "sim_wall_s": round(self.wall_s, 3), "events": self.events, "notes": self.notes,
+            **({"planner": self.planner} if self.planner is not None else {}),
         }
 
 
@@ -121,7 +128,8 @@ def _mean_gap(b: int, joined: int, m: int, D0: float, g: float) -> float:
 
 class _Worker:
     __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "version",
-                 "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec")
+                 "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec",
+                 "work_s", "work_seen")
 
     def __init__(self, idx: int, role: str, kv_tokens: int) -> None:
         self.idx, self.role = idx, role
@@ -143,6 +151,8 @@ class _Worker:
         self.busy = False
         self.step_chunks: list = []  # the running step's prefill chunks: (queue item, tokens, last, done before)
         self.rec = -1                # index of the running interval's ITL record
+        self.work_s = 0.0            # prefill steps' time so far, and as the planner last saw it
+        self.work_seen = 0.0
 
 
 class Simulator:
@@ -191,9 +201,14 @@ class Simulator:
         return max(self.block, min(self.max_batched, int(spare * rate)))
 
     # ------------------------------------------------------------------ run
-    def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray) -> SimResult:
+    def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray,
+            planner: SimPlanner | None = None) -> SimResult:
+        """``planner``: the live planner scales the pools (``capacity/sim_planner.py``); the shape's
+        replica counts are then ignored for its pools' bounds (initial, min and max replicas)."""
         t_wall = time.perf_counter()
         shape = self.shape
+        if planner is not None and shape.shared_host:
+            raise ValueError("the simulated planner cannot pair workers on shared hosts (--shared-host)")
         n = len(arrivals)
         if not (len(prompt) == len(cached) == len(output) == n):
             raise ValueError("arrivals, prompt, cached and output must have one entry per request")
@@ -208,10 +223,31 @@ class Simulator:
         itl_v: list[float] = []
         itl_w: list[float] = []
         colocated = shape.mode == "colocated"
-        pw = [_Worker(i, "prefill", 1 << 62) for i in range(shape.prefill)]
-        dw = [_Worker(i, "colocated" if colocated else "decode", self.kv_tokens) for i in range(shape.decode)]
-        p_load = np.zeros(max(1, shape.prefill), dtype=np.int64)
-        d_load = np.zeros(shape.decode, dtype=np.int64)
+        n_p = planner.setup.prefill.max_replicas if planner is not None else shape.prefill
+        n_d = planner.setup.decode.max_replicas if planner is not None else shape.decode
+        pw = [_Worker(i, "prefill", 1 << 62) for i in range(n_p)]
+        dw = [_Worker(i, "colocated" if colocated else "decode", self.kv_tokens) for i in range(n_d)]
+        p_load = np.zeros(max(1, n_p), dtype=np.int64)
+        d_load = np.zeros(n_d, dtype=np.int64)
+        # with a planner: each worker's state, when it came up, and _AWAY on its routing load while
+        # it is not serving (off, starting or draining)
+        p_state = [_OFF] * n_p
+        d_state = [_OFF] * n_d
+        p_up = [0.0] * n_p
+        d_up = [0.0] * n_d
+        p_away = np.zeros(max(1, n_p), dtype=np.int64)
+        d_away = np.zeros(n_d, dtype=np.int64)
+        if planner is not None:
+            p_away[:] = _AWAY
+            for states, away, k in ((p_state, p_away, planner.setup.prefill.initial),
+                                    (d_state, d_away, planner.setup.decode.initial)):
+                for j in range(len(states)):
+                    states[j] = _ON if j < k else _OFF
+                    away[j] = 0 if j < k else _AWAY
+            first_up = (arrivals[0] if n else 0.0) - planner.setup.policy.warmup_s
+            p_up = [first_up] * n_p
+            d_up = [first_up] * n_d
+        open_requests = 0
         heap: list = []
         push, pop = heapq.heappush, heapq.heappop
         seq = 0
@@ -283,6 +319,7 @@ class Simulator:
                     d = self._prefill_cost(eng, chunks, w.b, w.C)
                     if paired:
                         d *= slowdown(w)
+                    w.work_s += d
                     w.step_chunks = chunks
                     for r in joined:
                         itl_v.append(t - first_t[r] + d + itl_over)
@@ -384,6 +421,8 @@ class Simulator:
                             out_tokens += 1
                             last_end = max(last_end, t)
                             d_load[dworker[r]] -= 1
+                            if planner is not None:
+                                ended(t, r)
                             if w.role != "prefill":
                                 w.kv_free += item[2]
                             continue
@@ -405,16 +444,112 @@ class Simulator:
                 out_tokens += ol[r]
                 last_end = max(last_end, t)
                 d_load[dworker[r]] -= 1
+                if planner is not None:
+                    ended(t, r)
             if w.b == 0:
                 w.C = 0.0
             start(w, t)
 
+        def ended(t: float, r: int) -> None:
+            nonlocal open_requests
+            open_requests -= 1
+            planner.request_ended(t, pl[r], cl[r], ol[r])
+
+        def idle(w: _Worker) -> bool:
+            return not w.busy and not w.pq and not w.wait and w.b == 0
+
+        def metrics(now: float, since: float) -> list:
+            from pdserve.cluster.planner import WorkerMetrics
+            from pdserve.engine.contract import WorkerRole
+
+            out = []
+            rate = pe.prefill_tokens_per_s(max_batched)
+            for j, w in enumerate(pw):
+                busy = min(1.0, (w.work_s - w.work_seen) / (now - since)) if now > since else None
+                w.work_seen = w.work_s
+                if p_state[j] in (_ON, _DRAINING):
+                    out.append(WorkerMetrics(f"prefill-{j}", WorkerRole.PREFILL, True, p_up[j],
+                                             queued_prompt_tokens=int(p_load[j]), running_seqs=len(w.pq),
+                                             prefill_tokens_per_s=rate, prefill_busy=busy,
+                                             draining=p_state[j] == _DRAINING))
+            for j, w in enumerate(dw):
+                if d_state[j] in (_ON, _DRAINING):
+                    step = (A[w.b] + kc * w.C) if w.b else None
+                    out.append(WorkerMetrics(
+                        f"decode-{j}", WorkerRole.DECODE, True, d_up[j], running_seqs=w.b,
+                        waiting_seqs=len(w.wait) + len(w.pq),
+                        kv_usage=min(1.0, max(0.0, 1.0 - w.kv_free / self.kv_tokens)),
+                        itl_ms=None if step is None else 1e3 * (step + itl_over),
+                        draining=d_state[j] == _DRAINING))
+            return out
+
+        def counts() -> tuple[dict, dict, dict]:
+            serving, pending, live = {}, {}, {}
+            for name, states in (("prefill", p_state), ("decode", d_state)):
+                serving[name] = sum(1 for x in states if x == _ON)
+                pending[name] = sum(1 for x in states if x == _STARTING)
+                live[name] = sum(1 for x in states if x != _OFF)
+            return serving, pending, live
+
+        def tick(t: float, since: float) -> None:
+            nonlocal seq
+            # drained workers with nothing left stop
+            for states, workers, away in ((p_state, pw, p_away), (d_state, dw, d_away)):
+                for j, w in enumerate(workers):
+                    if states[j] == _DRAINING and idle(w) and (workers is pw and p_load[j] == 0
+                                                               or workers is dw and d_load[j] == 0):
+                        states[j] = _OFF
+            serving, pending, _ = counts()
+            for d in planner.decide(t, serving, pending, metrics(t, since)):
+                prefill_pool = d.role.value == "prefill"
+                states = p_state if prefill_pool else d_state
+                away = p_away if prefill_pool else d_away
+                if d.action.value == "scale_up":
+                    add = d.target_replicas - d.current_replicas
+                    for j in range(len(states)):
+                        if add <= 0:
+                            break
+                        if states[j] == _OFF:
+                            states[j] = _STARTING
+                            seq += 1
+                            push(heap, (t + planner.setup.worker_start_s, seq, _UP, prefill_pool, j, 0))
+                            add -= 1
+                elif d.action.value == "scale_down":
+                    if d.drain_worker_id is not None:
+                        j = int(d.drain_worker_id.rsplit("-", 1)[1])
+                        states[j] = _DRAINING
+                        away[j] = _AWAY
+                    else:   # nothing warm to drain: cancel a start
+                        for j in range(len(states) - 1, -1, -1):
+                            if states[j] == _STARTING:
+                                states[j] = _OFF
+                                break
+            if i < n or open_requests > 0:
+                seq += 1
+                push(heap, (t + planner.setup.interval_s, seq, _TICK, False, 0, 0))
+
         i = 0
         t_next_arrival = arr[0] if n else math.inf
+        t_acc = arr[0] if n else 0.0
+        if planner is not None and n:
+            seq += 1
+            push(heap, (arr[0], seq, _TICK, False, 0, 0))
         while True:
             if heap and heap[0][0] <= t_next_arrival:
                 t, _, kind, is_p, idx, extra = pop(heap)
                 events += 1
+                if kind == _TICK:
+                    planner.account(t - t_acc, counts()[2])
+                    tick(t, t_acc)
+                    t_acc = t
+                    continue
+                if kind == _UP:
+                    states = p_state if is_p else d_state
+                    if states[idx] == _STARTING:
+                        states[idx] = _ON
+                        (p_up if is_p else d_up)[idx] = t
+                        (p_away if is_p else d_away)[idx] = 0
+                    continue
                 if kind == _BOUNDARY:
                     w = pw[idx] if is_p else dw[idx]
                     if extra != w.version:
@@ -433,14 +568,23 @@ class Simulator:
             i += 1
             t_next_arrival = arr[i] if i < n else math.inf
             events += 1
-            d = int(d_load.argmin()) if len(d_load) > 1 else 0
+            if planner is None:
+                d = int(d_load.argmin()) if len(d_load) > 1 else 0
+            else:
+                open_requests += 1
+                d = int((d_load + d_away).argmin())
             d_load[d] += 1
             dworker[r] = d
             uncached = pl[r] - cl[r]
-            if colocated or uncached <= local_max:
+            if planner is not None and not colocated and p_away.min() >= _AWAY:
+                w = dw[d]   # no prefill worker serving: the decode worker prefills it
+            elif colocated or uncached <= local_max:
                 w = dw[d]
             else:
-                p = int(p_load.argmin()) if len(p_load) > 1 else 0
+                if planner is None:
+                    p = int(p_load.argmin()) if len(p_load) > 1 else 0
+                else:
+                    p = int((p_load + p_away).argmin())
                 p_load[p] += uncached
                 w = pw[p]
             w.pq.append([r, uncached])
@@ -456,9 +600,9 @@ class Simulator:
         return SimResult(requests=n, span_s=span, output_tokens=out_tokens, ttft_s=ttft_a, e2e_s=e2e_a,
                          itl_values=np.array(itl_v), itl_weights=np.array(itl_w),
                          wall_s=time.perf_counter() - t_wall, events=events, queued_at_end=n - len(done),
-                         notes=notes)
+                         notes=notes, planner=planner.run.summary() if planner is not None else None)
 
 
 def simulate(profile: Profile, shape: ClusterShape, arrivals: np.ndarray, prompt: np.ndarray,
-             cached: np.ndarray, output: np.ndarray) -> SimResult:
-    return Simulator(profile, shape).run(arrivals, prompt, cached, output)
+             cached: np.ndarray, output: np.ndarray, planner: SimPlanner | None = None) -> SimResult:
+    return Simulator(profile, shape).run(arrivals, prompt, cached, output, planner)

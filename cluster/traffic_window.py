@@ -47,7 +47,11 @@ class TrafficWindow:
         ph = record.phase
         if ph is None or ph.prompt_tokens <= 0 or record.priority == "batch":
             return
-        self._ended.append((self.clock(), ph.prompt_tokens, ph.cached_prompt_tokens, ph.output_tokens))
+        self.add(ph.prompt_tokens, ph.cached_prompt_tokens, ph.output_tokens)
+
+    def add(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+        """One interactive request ended now (the simulator feeds its requests here directly)."""
+        self._ended.append((self.clock(), prompt_tokens, cached_tokens, output_tokens))
 
     def observed(self) -> ObservedTraffic | None:
         """The window's summary; None with fewer than ``MIN_REQUESTS`` requests in it."""

@@ -64,6 +64,30 @@ def test_plan_and_simulate_run_on_the_profile(tiny_profile: Path, tmp_path: Path
     out = json.loads((tmp_path / "s.json").read_text())
     assert out["requests"] == 2000 and out["ttft_s"]["p99"] <= 0.5 and out["itl_s"]["p99"] <= 0.05
     assert "TTFT p50" in sim.stdout
+    # the same traffic from one worker per pool, the cluster's own planner scaling them
+    config = tmp_path / "cluster.yaml"
+    config.write_text("model: {path: /models/m}\nrouter: {disaggregation: {mode: always}}\n"
+                      "prefill: {min_replicas: 1, max_replicas: 8}\ndecode: {min_replicas: 1, max_replicas: 8}\n"
+                      "slo: {ttft_ms: 500, itl_ms: 50}\n"
+                      "planner: {interval_s: 2, warmup_s: 1, scale_up_cooldown_s: 2, scale_down_cooldown_s: 5, "
+                      "scale_down_stable_s: 4}\n")
+    sim = pdserve("simulate", "--profile", str(tiny_profile), "--traffic", str(traffic), "--planner", str(config),
+                  "--worker-start-s", "1", "--json", str(tmp_path / "sp.json"))
+    assert sim.returncode == 0, sim.stderr
+    out = json.loads((tmp_path / "sp.json").read_text())
+    assert out["requests"] == 2000 and not out["notes"]
+    planner = out["planner"]
+    assert planner["setup"]["worker_start_s"] == 1 and planner["setup"]["decode"] == [1, 1, 8]
+    assert planner["ticks"] > 0 and planner["most_replicas"]["decode"] <= 8
+    # more traffic than one worker per pool can serve: the planner adds workers
+    heavy = tmp_path / "heavy.yaml"
+    heavy.write_text(traffic.read_text().replace("rate: 20", "rate: 400").replace("requests: 2000", "requests: 20000"))
+    sim = pdserve("simulate", "--profile", str(tiny_profile), "--traffic", str(heavy), "--planner", str(config),
+                  "--worker-start-s", "1", "--json", str(tmp_path / "sp.json"))
+    assert sim.returncode == 0, sim.stderr
+    planner = json.loads((tmp_path / "sp.json").read_text())["planner"]
+    assert planner["scale_ups"] >= 1 and max(planner["most_replicas"].values()) > 1
+    assert all(d["reason"] for d in planner["decisions"]) and "scale-ups" in sim.stdout
 
 
 def _write_profile(path: Path) -> Path:
@@ -100,6 +124,18 @@ def test_capacity_commands_refuse_bad_input_naming_what_is_wrong(tmp_path: Path,
     assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--requests", "0"]) == 2
     assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--requests", "10000000000"]) == 2
     assert "--requests must be between 1 and 50,000,000" in capsys.readouterr().err
+    config = tmp_path / "cluster.yaml"
+    config.write_text("model: {path: /models/m}\ndecode: {min_replicas: 1, max_replicas: 4}\n")
+    assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--planner", str(config),
+                 "--decode", "3"]) == 2
+    assert "drop --decode" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--planner", str(config)]) == 2
+    assert "set prefill.max_replicas to simulate the planner" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--worker-start-s", "3"]) == 2
+    assert "give it with --planner" in capsys.readouterr().err
+    config.write_text("model: {path: /models/m}\nplanner: {interval_s: -1}\n")
+    assert main(["simulate", "--profile", str(good), "--traffic", str(traffic), "--planner", str(config)]) == 2
+    assert "interval_s" in capsys.readouterr().err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
