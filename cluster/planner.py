@@ -11,7 +11,9 @@ How one pool is decided, in order:
    already in progress.
 2. Signal: from warm workers only (``warm`` reported and ``warmup_s`` passed since start; not
    draining), a utilisation ratio where 1.0 means "at target":
-   prefill = mean predicted TTFT / TTFT SLO; decode = the largest of mean KV usage, mean
+   prefill = the larger of mean predicted TTFT / TTFT SLO and the mean share of time the workers
+   spent computing prompts since their last report (a worker that has just drained its queue
+   predicts a TTFT of 0 even when it is busy all the time); decode = the largest of mean KV usage, mean
    (running + waiting) sequences / ``max_num_seqs``, and mean ITL / ITL SLO. The load the
    warm workers report is spread over every replica, so warming and pending replicas count as
    capacity: ``utilisation = ratio * warm_workers / (replicas + pending)``.
@@ -74,6 +76,8 @@ class WorkerMetrics:
     kv_usage: float = 0.0
     predicted_ttft_ms: float | None = None
     prefill_tokens_per_s: float | None = None
+    # a prefill worker's share of the recent time spent computing prompts (0-1), None if unknown
+    prefill_busy: float | None = None
     itl_ms: float | None = None
     draining: bool = False
     # Of running_seqs + waiting_seqs and kv_usage, the part that is batch-priority work.
@@ -84,6 +88,8 @@ class WorkerMetrics:
         object.__setattr__(self, "role", as_role(self.role))
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+        if self.prefill_busy is not None and not 0.0 <= self.prefill_busy <= 1.0:
+            raise ValueError(f"prefill_busy must be in [0, 1], got {self.prefill_busy}")
         for name in ("queued_prompt_tokens", "running_seqs", "waiting_seqs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -204,7 +210,13 @@ def _prefill_signal(warm: Sequence[WorkerMetrics], policy: PlannerPolicy) -> _Si
     if ttft is None:
         return None
     detail = f"predicted TTFT {ttft:.0f} ms vs SLO {policy.ttft_slo_ms:.0f} ms"
-    return _Signal(ttft / policy.ttft_slo_ms, detail)
+    signal = _Signal(ttft / policy.ttft_slo_ms, detail)
+    # A worker that has just emptied its queue predicts a TTFT of 0 however busy it is: how much of
+    # its time it spends computing prompts keeps a pool that runs near saturation from reading idle.
+    busy = _mean([w.prefill_busy for w in warm if w.prefill_busy is not None])
+    if busy is not None and busy > signal.ratio:
+        signal = _Signal(busy, f"prefill busy {busy:.0%} of the time ({detail})")
+    return signal
 
 
 def _decode_signal(

@@ -234,27 +234,31 @@ class PoolManager:
                     continue
                 v = member.view
                 stats = v.stats
-                rate = self._prefill_rate(wid, now_wall, stats) if role == "prefill" and stats else None
+                rate, busy = self._prefill_rate(wid, now_wall, stats) if role == "prefill" and stats else (None, None)
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
                     # batch prompts may wait: they do not scale the prefill pool
                     started_at=v.started_at, queued_prompt_tokens=max(0, v.inflight_tokens - v.batch_inflight_tokens),
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
-                    kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate,
+                    kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate, prefill_busy=busy,
                     itl_ms=_itl_ms(stats) if role == "decode" and stats else None,
                     draining=wid in record.draining,
                     batch_seqs=stats.num_batch_seqs if stats else 0,
                     batch_kv_usage=min(1.0, max(0.0, stats.batch_kv_usage)) if stats else 0.0))
         return out
 
-    def _prefill_rate(self, wid: str, now: float, stats: WorkerStats) -> float | None:
+    def _prefill_rate(self, wid: str, now: float, stats: WorkerStats) -> tuple[float | None, float | None]:
+        """Since this worker's previous report: (prompt tokens computed per second, or None if none
+        were; the share of the time its engine spent computing prompts)."""
         prev = self._prev_stats.get(wid)
         self._prev_stats[wid] = (now, stats)
         if prev is None or now <= prev[0]:
-            return None
+            return None, None
+        span = now - prev[0]
         done = stats.prompt_tokens_computed - prev[1].prompt_tokens_computed
-        return done / (now - prev[0]) if done > 0 else None
+        busy = min(1.0, max(0.0, (stats.prefill_compute_s - prev[1].prefill_compute_s) / span))
+        return (done / span if done > 0 else None), busy
 
     def pool_states(self) -> list[PoolState]:
         states = []

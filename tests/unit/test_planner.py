@@ -40,6 +40,12 @@ CASES = [
     ("prefill idle queue predicts zero even without throughput",
      make_pool(WorkerRole.PREFILL, 2), [prefill("p0"), prefill("p1")],
      ScaleAction.SCALE_DOWN, 1),
+    ("prefill with an empty queue but busy all the time is not idle",
+     make_pool(WorkerRole.PREFILL, 2), [prefill("p0", prefill_busy=0.9), prefill("p1", prefill_busy=0.95)],
+     ScaleAction.SCALE_UP, 3),   # busy 0.925 x 2 = 1.85 replicas at target; ceil(1.85 / 0.8) = 3
+    ("prefill half busy with an empty queue holds",
+     make_pool(WorkerRole.PREFILL, 2), [prefill("p0", prefill_busy=0.5), prefill("p1", prefill_busy=0.5)],
+     ScaleAction.HOLD, 2),
     ("prefill queue without measured throughput gives no signal",
      make_pool(WorkerRole.PREFILL, 1), [prefill("p0", queued_prompt_tokens=500)],
      ScaleAction.HOLD, 1),
@@ -369,3 +375,10 @@ def test_a_scale_down_needs_the_capacity_models_agreement() -> None:
     assert held.action is ScaleAction.HOLD and "capacity model wants 3" in held.reason
     down = decide_pool(NOW, pool, idle, POLICY, model_target=(1, "1 is enough"))
     assert down.action is ScaleAction.SCALE_DOWN and "capacity model wants 1: 1 is enough" in down.reason
+
+
+def test_a_busy_prefill_signal_names_itself_and_bad_busy_values_are_refused() -> None:
+    d = decide_pool(NOW, make_pool(WorkerRole.PREFILL, 1), [prefill("p0", prefill_busy=0.97)], POLICY)
+    assert d.action is ScaleAction.SCALE_UP and "prefill busy 97% of the time" in d.reason
+    with pytest.raises(ValueError, match="prefill_busy"):
+        prefill("p0", prefill_busy=1.5)
