@@ -71,7 +71,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _planner(args: argparse.Namespace, profile):
     """The simulated planner from ``--planner CONFIG``: (SimPlanner, mode)."""
-    from pdserve.capacity.sim_planner import PlannerSetup, SimPlanner
+    from pdserve.cluster.sim_planner import PlannerSetup, SimPlanner
     from pdserve.engine.errors import InvalidRequestError
 
     given = [f for f, v in (("--prefill", args.prefill), ("--decode", args.decode), ("--mode", args.mode))

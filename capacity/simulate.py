@@ -30,14 +30,31 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from pdserve.capacity.profile import EngineProfile, Profile
 
-if TYPE_CHECKING:
-    from pdserve.capacity.sim_planner import SimPlanner
+
+class SimPlanner(Protocol):
+    """What the simulator needs of a planner (``cluster/sim_planner.py``'s ``SimPlanner``: the
+    live planner on simulated state; it lives in ``cluster/``, which this package may not import)."""
+
+    setup: Any      # interval_s, worker_start_s, policy.warmup_s, prefill / decode (initial, max_replicas)
+    run: Any        # .summary()
+
+    def prefill_metrics(self, index: int, started_at: float, queued_tokens: int, queued_prompts: int,
+                        tokens_per_s: float, busy: float | None, draining: bool) -> Any: ...
+
+    def decode_metrics(self, index: int, started_at: float, running: int, waiting: int, kv_usage: float,
+                       itl_s: float | None, draining: bool) -> Any: ...
+
+    def request_ended(self, t: float, prompt: int, cached: int, output: int) -> None: ...
+
+    def decide(self, now: float, replicas: dict[str, int], pending: dict[str, int], metrics: list) -> list: ...
+
+    def account(self, dt: float, live: dict[str, int]) -> None: ...
 
 Mode = Literal["disaggregated", "conditional", "colocated"]
 
@@ -203,7 +220,7 @@ class Simulator:
     # ------------------------------------------------------------------ run
     def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray,
             planner: SimPlanner | None = None) -> SimResult:
-        """``planner``: the live planner scales the pools (``capacity/sim_planner.py``); the shape's
+        """``planner``: the live planner scales the pools (``cluster/sim_planner.py``); the shape's
         replica counts are then ignored for its pools' bounds (initial, min and max replicas)."""
         t_wall = time.perf_counter()
         shape = self.shape
@@ -459,28 +476,20 @@ class Simulator:
             return not w.busy and not w.pq and not w.wait and w.b == 0
 
         def metrics(now: float, since: float) -> list:
-            from pdserve.cluster.planner import WorkerMetrics
-            from pdserve.engine.contract import WorkerRole
-
             out = []
             rate = pe.prefill_tokens_per_s(max_batched)
             for j, w in enumerate(pw):
                 busy = min(1.0, (w.work_s - w.work_seen) / (now - since)) if now > since else None
                 w.work_seen = w.work_s
                 if p_state[j] in (_ON, _DRAINING):
-                    out.append(WorkerMetrics(f"prefill-{j}", WorkerRole.PREFILL, True, p_up[j],
-                                             queued_prompt_tokens=int(p_load[j]), running_seqs=len(w.pq),
-                                             prefill_tokens_per_s=rate, prefill_busy=busy,
-                                             draining=p_state[j] == _DRAINING))
+                    out.append(planner.prefill_metrics(j, p_up[j], int(p_load[j]), len(w.pq), rate, busy,
+                                                       p_state[j] == _DRAINING))
             for j, w in enumerate(dw):
                 if d_state[j] in (_ON, _DRAINING):
-                    step = (A[w.b] + kc * w.C) if w.b else None
-                    out.append(WorkerMetrics(
-                        f"decode-{j}", WorkerRole.DECODE, True, d_up[j], running_seqs=w.b,
-                        waiting_seqs=len(w.wait) + len(w.pq),
-                        kv_usage=min(1.0, max(0.0, 1.0 - w.kv_free / self.kv_tokens)),
-                        itl_ms=None if step is None else 1e3 * (step + itl_over),
-                        draining=d_state[j] == _DRAINING))
+                    step = (A[w.b] + kc * w.C + itl_over) if w.b else None
+                    out.append(planner.decode_metrics(j, d_up[j], w.b, len(w.wait) + len(w.pq),
+                                                      1.0 - w.kv_free / self.kv_tokens, step,
+                                                      d_state[j] == _DRAINING))
             return out
 
         def counts() -> tuple[dict, dict, dict]:

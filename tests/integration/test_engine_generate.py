@@ -265,16 +265,25 @@ def test_an_interrupted_batch_step_is_run_again_token_identical(tiny_model, prom
     assert engine.interrupted_steps == n // 3
     assert [outs[f"b{i}"] for i in range(len(prompts))] == reference
     assert engine.block_manager.all_free()
+    # With an interactive request running, the steps with its work run whole however often they
+    # are interrupted; the batch turns between them (batch work alone) are the steps cut short.
     engine.add_request("inter", prompts[2], GREEDY)
     engine.add_request("batch", prompts[3], GREEDY, priority=Priority.BATCH)
+    cut, turns = engine.interrupted_steps, engine.scheduler.num_batch_turns
     engine.interrupt.set()
-    got = []
-    while len(got) < MAX_TOKENS:
-        got += [o for o in engine.step() if o.request_id == "inter" for _ in o.new_token_ids]
-    assert engine.interrupted_steps == n // 3   # steps with interactive work ran whole
+    got: dict[str, list[int]] = {"inter": [], "batch": []}
+    while len(got["inter"]) < MAX_TOKENS:
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert got["inter"] == reference[2]
+    assert engine.scheduler.num_batch_turns > turns
+    assert engine.interrupted_steps - cut == engine.scheduler.num_batch_turns - turns
     engine.interrupt.clear()
     while engine.has_unfinished():
-        engine.step()
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    batch = got["batch"]
+    assert batch == reference[3] and engine.block_manager.all_free()
 
 
 def test_repetition_penalty_matches_transformers_logits_processor(tiny_model, hf_model, prompts) -> None:

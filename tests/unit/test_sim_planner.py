@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds, SimPlanner
+from pdserve.cluster.sim_planner import PlannerSetup, PoolBounds, SimPlanner
 from pdserve.capacity.simulate import ClusterShape, simulate
 from pdserve.cluster.planner import PlannerPolicy
 from tests.unit.test_capacity import profile

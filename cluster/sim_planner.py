@@ -1,4 +1,4 @@
-"""The live planner inside the simulator: ``pdserve simulate --planner CONFIG``.
+"""The live planner inside the simulator (``capacity/simulate.py``): ``pdserve simulate --planner CONFIG``.
 
 The simulated cluster is decided by the same code that scales a real one: every
 ``planner.interval_s`` of simulated time, ``cluster.planner.Planner.decide`` reads each simulated
@@ -113,6 +113,22 @@ class SimPlanner:
         self.model = (CapacityModel(profile, pol.ttft_slo_ms / 1e3, pol.itl_slo_ms / 1e3, mode == "colocated")
                       if setup.use_model else None)
         self.run = PlannerRun()
+
+    @staticmethod
+    def prefill_metrics(index: int, started_at: float, queued_tokens: int, queued_prompts: int,
+                        tokens_per_s: float, busy: float | None, draining: bool) -> WorkerMetrics:
+        """A simulated prefill worker's report, as the pool manager reads a real one."""
+        return WorkerMetrics(f"prefill-{index}", WorkerRole.PREFILL, True, started_at,
+                             queued_prompt_tokens=queued_tokens, running_seqs=queued_prompts,
+                             prefill_tokens_per_s=tokens_per_s, prefill_busy=busy, draining=draining)
+
+    @staticmethod
+    def decode_metrics(index: int, started_at: float, running: int, waiting: int, kv_usage: float,
+                       itl_s: float | None, draining: bool) -> WorkerMetrics:
+        """A simulated decode (or colocated) worker's report."""
+        return WorkerMetrics(f"decode-{index}", WorkerRole.DECODE, True, started_at, running_seqs=running,
+                             waiting_seqs=waiting, kv_usage=min(1.0, max(0.0, kv_usage)),
+                             itl_ms=None if itl_s is None else 1e3 * itl_s, draining=draining)
 
     def request_ended(self, t: float, prompt: int, cached: int, output: int) -> None:
         self.now = t
