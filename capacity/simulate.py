@@ -250,8 +250,9 @@ class Simulator:
         # it is not serving (off, starting or draining)
         p_state = [_OFF] * n_p
         d_state = [_OFF] * n_d
-        p_up = [0.0] * n_p
-        d_up = [0.0] * n_d
+        first_up = (arrivals[0] if n else 0.0) - (planner.setup.policy.warmup_s if planner is not None else 0.0)
+        p_up = [first_up] * n_p   # the initial workers count as warm from the start
+        d_up = [first_up] * n_d
         p_away = np.zeros(max(1, n_p), dtype=np.int64)
         d_away = np.zeros(n_d, dtype=np.int64)
         if planner is not None:
@@ -261,9 +262,6 @@ class Simulator:
                 for j in range(len(states)):
                     states[j] = _ON if j < k else _OFF
                     away[j] = 0 if j < k else _AWAY
-            first_up = (arrivals[0] if n else 0.0) - planner.setup.policy.warmup_s
-            p_up = [first_up] * n_p
-            d_up = [first_up] * n_d
         open_requests = 0
         heap: list = []
         push, pop = heapq.heappush, heapq.heappop
@@ -502,11 +500,11 @@ class Simulator:
 
         def tick(t: float, since: float) -> None:
             nonlocal seq
+            planner.account(t - since, counts()[2])   # what ran since the last tick
             # drained workers with nothing left stop
-            for states, workers, away in ((p_state, pw, p_away), (d_state, dw, d_away)):
+            for states, workers, load in ((p_state, pw, p_load), (d_state, dw, d_load)):
                 for j, w in enumerate(workers):
-                    if states[j] == _DRAINING and idle(w) and (workers is pw and p_load[j] == 0
-                                                               or workers is dw and d_load[j] == 0):
+                    if states[j] == _DRAINING and idle(w) and load[j] == 0:
                         states[j] = _OFF
             serving, pending, _ = counts()
             for d in planner.decide(t, serving, pending, metrics(t, since)):
@@ -548,7 +546,6 @@ class Simulator:
                 t, _, kind, is_p, idx, extra = pop(heap)
                 events += 1
                 if kind == _TICK:
-                    planner.account(t - t_acc, counts()[2])
                     tick(t, t_acc)
                     t_acc = t
                     continue

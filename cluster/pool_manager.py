@@ -234,7 +234,7 @@ class PoolManager:
                     continue
                 v = member.view
                 stats = v.stats
-                rate, busy = self._prefill_rate(wid, now_wall, stats) if role == "prefill" and stats else (None, None)
+                rate, busy = self._prefill_progress(wid, now_wall, stats) if role == "prefill" and stats else (None, None)
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
@@ -248,7 +248,7 @@ class PoolManager:
                     batch_kv_usage=min(1.0, max(0.0, stats.batch_kv_usage)) if stats else 0.0))
         return out
 
-    def _prefill_rate(self, wid: str, now: float, stats: WorkerStats) -> tuple[float | None, float | None]:
+    def _prefill_progress(self, wid: str, now: float, stats: WorkerStats) -> tuple[float | None, float | None]:
         """Since this worker's previous report: (prompt tokens computed per second, or None if none
         were; the share of the time its engine spent computing prompts)."""
         prev = self._prev_stats.get(wid)

@@ -16,9 +16,9 @@ Each :meth:`Scheduler.schedule` call builds one step's batch within ``max_num_ba
 While interactive sequences decode, batch prompts never share their steps: a step that decodes
 interactive streams carries at most a few batch decodes and no batch prompt tokens, and the step
 after it, when a batch prompt or a batch decode was left out, is a *batch turn* of batch work
-alone (every batch decode and one bounded prompt chunk). A batch-only step can be cut short by an interactive arrival
-(``LLMEngine.interrupt``); a step with interactive work cannot, so an arrival never waits out a
-batch prompt chunk.
+alone (every batch decode and one bounded prompt chunk). A batch-only step can be cut short by
+an interactive arrival (``LLMEngine.interrupt``); a step with interactive work cannot, so an
+arrival never waits out a batch prompt chunk.
 
 Under the STATIC policy (a benchmark baseline) step 3 runs only when nothing is running, and then
 ignores the token budget when admitting, so one batch forms and runs until every member finishes.
@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 # admits a burst of batch prompts stays short, so an interactive request arriving meanwhile
 # waits for a short step, not a long one.
 BATCH_PREFILL_TOKENS_PER_STEP = 256
-# ... and while interactive sequences decode: their every step carries the batch prompt chunk,
-# and an interactive request arriving during it waits for it.
+# ... and while interactive sequences decode: a batch turn's chunk, which the interactive streams
+# wait for between two of their steps.
 BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE = 64
 # Batch decodes an interactive step carries; the rest wait for the batch turn after it (say when
 # interactive traffic starts while a batch runs many sequences on the idle engine).
@@ -184,8 +184,9 @@ class Scheduler:
             order = [s for s in order if s.priority is not Priority.BATCH]
         interactive = any(s.priority is Priority.INTERACTIVE for s in order)
         batch_prefill = BATCH_PREFILL_TOKENS_BESIDE_INTERACTIVE if interactive else BATCH_PREFILL_TOKENS_PER_STEP
-        # Beside interactive decodes, batch prompt tokens wait for a batch turn (module docstring).
-        defer_batch_prefill = False
+        # Beside interactive decodes, steps alternate: an interactive turn (a few batch decodes, no
+        # batch prompt tokens), then a batch turn when batch work was left out (module docstring).
+        interactive_turn = False
         if (interactive and not pause_batch and self.batch_prefill_apart
                 and self.config.policy is not SchedulingPolicy.STATIC):
             if self._batch_turn_due and (self._batch_decodes_deferred or self._batch_prefill_pending()):
@@ -193,12 +194,12 @@ class Scheduler:
                 self._batch_turn_due = False
                 self.num_batch_turns += 1
             else:
-                defer_batch_prefill = True
+                interactive_turn = True
                 self._batch_turn_due = True
 
         # 1) decodes, one token each.
         self._batch_decodes_deferred = False
-        batch_decodes = BATCH_DECODES_BESIDE_INTERACTIVE if defer_batch_prefill else None
+        batch_decodes = BATCH_DECODES_BESIDE_INTERACTIVE if interactive_turn else None
         for seq in order:
             if budget == 0:
                 break
@@ -225,7 +226,7 @@ class Scheduler:
                 break
             if not seq.in_prefill or seq.request_id not in self._running:
                 continue
-            if defer_batch_prefill and seq.priority is Priority.BATCH:
+            if interactive_turn and seq.priority is Priority.BATCH:
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             room = budget if seq.priority is not Priority.BATCH else min(budget, batch_prefill)
@@ -242,7 +243,7 @@ class Scheduler:
         static = self.config.policy is SchedulingPolicy.STATIC
         if len(out.preempted) == yielded and not (static and was_running):
             budget = self._admit(out, budget, scheduled, ignore_budget=static,
-                                 batch_too=not yielded and not pause_batch and not defer_batch_prefill,
+                                 batch_too=not yielded and not pause_batch and not interactive_turn,
                                  batch_prefill=batch_prefill)
         out.num_prefill_tokens = max(0, prefill_from - budget)
         out.num_batched_tokens = out.num_decode_tokens + out.num_prefill_tokens
