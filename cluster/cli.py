@@ -1,4 +1,4 @@
-"""The operator subcommands: up, status, down, demo, config, requests."""
+"""The operator subcommands: up, router, status, down, demo, config, requests."""
 
 from __future__ import annotations
 
@@ -74,6 +74,14 @@ def _head(args: argparse.Namespace) -> int:
     if args.overrides_file:  # from `up`: --set values may hold secrets, so they never travel in argv
         overrides += launcher.take_overrides(args.overrides_file)
     return launcher.run_head(load_cli_config(args.config, args.model, overrides))
+
+
+def _router(args: argparse.Namespace) -> int:
+    from pdserve.cluster.router_process import join_settings, run_router
+
+    config = load_cli_config(args.config, args.model, list(args.set))
+    join_settings(config)  # refuse at once: no elected control plane, or nothing to join
+    return run_router(config)
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -163,6 +171,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_config_source(p)
     p.add_argument("--overrides-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_head)
+
+    p = sub.add_parser("router", help="serve one more router of a running cluster whose control plane is "
+                       "elected (control_plane.election), in the foreground until SIGTERM/Ctrl-C")
+    _add_config_source(p)
+    p.set_defaults(func=_router)
 
     p = sub.add_parser("down", help="drain and stop everything `pdserve up` started")
     p.add_argument("--timeout", type=float, default=120.0)

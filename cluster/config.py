@@ -311,7 +311,9 @@ class RouterSettings(_Settings):
                                           "until it answers again.")
     worker_dead_after_s: float = Field(30.0, gt=0, description="A worker silent this long is killed "
                                        "and replaced; its streams move to other workers. Keep it "
-                                       "above the longest engine step of the model.")
+                                       "above the longest engine step of the model. Also: a router "
+                                       "that takes no outputs from a decode worker this long is gone, "
+                                       "and the worker aborts its requests.")
     disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings,
                                                    description="When to prefill on the prefill pool.")
 
@@ -431,6 +433,17 @@ class PlannerSettings(_Settings):
         return self
 
 
+class ControlPlaneSettings(_Settings):
+    election: bool = Field(False, description="Run the planner, the pool manager and the KV-ledger "
+                           "reaper on one router at a time, chosen by a lease in Redis, so that several "
+                           "routers (`pdserve router`) serve one cluster and another router takes the "
+                           "control plane over when its leader dies. Workers are then detached Ray "
+                           "actors, listed in Redis, that outlive the router that started them.")
+    lease_s: float = Field(6.0, ge=1.0, le=120.0, description="How long the leader's lease lasts without "
+                           "renewal (renewed every third of it): the longest the cluster goes without a "
+                           "control plane after its leader's process dies.")
+
+
 class ClusterConfig(_Settings):
     model: ModelSettings = Field(description="The model every worker serves.")
     prefill: PoolSettings = Field(default_factory=PoolSettings, description="The prefill pool. "
@@ -442,6 +455,8 @@ class ClusterConfig(_Settings):
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster to run on.")
     slo: SLOSettings = Field(default_factory=SLOSettings, description="Latency targets.")
     planner: PlannerSettings = Field(default_factory=PlannerSettings, description="Autoscaling.")
+    control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings,
+                                                description="Where the planner, pool manager and reaper run.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ClusterConfig:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.pids import pid_alive
-from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable
+from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
 from pdserve.cluster.redact import split_password
 from pdserve.engine.contract import ClusterStatus
 
@@ -125,6 +125,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         kwargs: dict = {"namespace": config.ray.namespace, "log_to_driver": False}
         if config.ray.address:
             kwargs["address"] = config.ray.address
+            if config.ray.address != "auto":
+                use_token_auth_if_available()
         else:
             started_ray = True
             # "local": never join another Ray found via RAY_ADDRESS or /tmp/ray/ray_current_cluster.
@@ -173,7 +175,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         if ready is not None:
             ready.set()
         while not stop.is_set():
-            await service.publish_status(STATUS_KEY, ttl_s=10)  # skipped while Redis is down
+            if service.is_leader:  # the control plane's leader publishes the cluster's status
+                await service.publish_status(STATUS_KEY, ttl_s=10)  # skipped while Redis is down
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
@@ -186,7 +189,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                 service.redis_client.delete(STATUS_KEY)
         except Exception as exc:  # Redis down at shutdown: the key expires on its own in 10 s
             logger.info("status key not deleted: %s", exc)
-        await service.stop()
+        # A head that started Ray takes the cluster down with it; one that joined a Ray cluster
+        # whose control plane is elected leaves the workers to the other routers.
+        await service.stop(stop_workers=started_ray or not service.elected)
         if supervisor is not None:
             supervisor.stop()
         if redis_server is not None:
@@ -463,6 +468,13 @@ def format_status(status: dict) -> str:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.get("dropped", {}).items())) or "none"
         lines.append(f"redis {'up' if r.get('up') else 'DOWN'}  outages {r.get('outages', 0)}  "
                      f"writes dropped: {dropped}")
+    if cs.control_plane:
+        cp = cs.control_plane
+        lines.append(f"control plane: elected (epoch {cp.get('epoch')}, led by "
+                     f"{next((r['router_id'] for r in cp.get('routers', []) if r.get('leader')), '?')})")
+        for r in cp.get("routers", []):
+            lines.append(f"router {r['router_id']:22s} {'leader' if r.get('leader') else 'follower':8s} "
+                         f"HTTP {r['http']}  gRPC {r['grpc']}  pid {r['pid']} on {r['host']}")
     for role, p in cs.pools.items():
         lines.append(f"pool {role:8s} replicas {p.replicas}  pending {p.pending}  draining {len(p.draining)}")
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} "

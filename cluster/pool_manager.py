@@ -19,7 +19,8 @@ from pdserve.engine.contract import WorkerStats
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
 from pdserve.cluster.traffic_window import CapacityModel, TrafficWindow
-from pdserve.cluster.workers import WorkerHandle, start_worker, stop_worker
+from pdserve.cluster.worker_registry import WorkerRecord, WorkerRegistry
+from pdserve.cluster.workers import ACTOR_PREFIX, WorkerHandle, start_worker, stop_worker
 from pdserve.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,12 @@ class PoolRecord:
 
 class PoolManager:
     def __init__(self, config: ClusterConfig, pool: WorkerPool, *, namespace: str | None = None,
-                 detached: bool = False, ready_timeout_s: float = 300.0) -> None:
+                 detached: bool = False, ready_timeout_s: float = 300.0,
+                 registry: WorkerRegistry | None = None) -> None:
+        """``registry``: where the workers are listed for the other routers and the next leader
+        (an elected control plane); each change is written there after it is made."""
         self.config = config
+        self.registry = registry
         self.pool = pool
         self.namespace = namespace
         self.detached = detached
@@ -83,7 +88,10 @@ class PoolManager:
                                   resources=settings.resources, accelerator_type=settings.accelerator_type,
                                   namespace=self.namespace,
                                   detached=self.detached,
-                                  transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s)
+                                  transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s,
+                                  # a router silent as long as a dead worker is gone: its streams end here
+                                  worker_kwargs={"owner_gone_after_s": self.config.router.worker_dead_after_s}
+                                  if role == "decode" else None)
             handle.metadata = await self._wait_placed(role, handle)
             if self._asked_autoscaler and not any(r.pending > 1 for r in self.pools.values()):
                 self._clear_resource_request()
@@ -93,6 +101,8 @@ class PoolManager:
                 await self._connect(handle, role)
                 record.handles[worker_id] = handle
                 self.pool.add(worker_id, role, handle.actor)
+            await self._registry("add", WorkerRecord(worker_id, role, ACTOR_PREFIX[role] + worker_id,
+                                                     self._ray_namespace()))
         except BaseException:
             record.pending -= 1
             logger.exception("could not start a %s worker", role)
@@ -164,6 +174,7 @@ class PoolManager:
         record = self.pools[role]
         record.draining.add(worker_id)
         self.pool.set_draining(worker_id)
+        await self._registry("set_draining", worker_id, True)
         handle = record.handles[worker_id]
         deadline = time.monotonic() + timeout_s
         try:
@@ -189,6 +200,8 @@ class PoolManager:
         for worker_id in kept:
             record.draining.discard(worker_id)
             self.pool.set_draining(worker_id, False)
+            if self.registry is not None:
+                self._act(self._registry("set_draining", worker_id, False), f"undraining {worker_id} in Redis")
             logger.info("%s worker %s kept: load is back, its drain is cancelled", role, worker_id)
         return kept
 
@@ -201,6 +214,7 @@ class PoolManager:
         record.draining.discard(worker_id)
         self.pool.remove(worker_id)
         await asyncio.to_thread(stop_worker, handle)
+        await self._registry("remove", worker_id)
         logger.info("%s worker %s stopped", role, worker_id)
 
     async def handle_lost(self, worker_id: str) -> None:
@@ -212,10 +226,79 @@ class PoolManager:
         record.handles.pop(worker_id, None)
         record.draining.discard(worker_id)
         self.pool.remove(worker_id)
+        await self._registry("remove", worker_id)
         live = len(record.handles) + record.pending
         if live < self.config.pool(role).min_replicas:
             logger.warning("%s pool below its minimum after %s died: starting a replacement", role, worker_id)
             await self.add_replica(role)
+
+    async def adopt(self, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+        """Take over the workers the registry lists (a new control-plane leader): each one that
+        answers joins this manager's pools as it is (no restart, its NIXL peers kept); returns
+        (adopted ids, dead ids). A dead worker's record is deleted; reaping its ledger entries
+        and replacing it is the caller's (``RouterService``)."""
+        if self.registry is None:
+            return [], []
+        import ray
+
+        records = await asyncio.to_thread(self.registry.workers)
+        adopted, dead = [], []
+        for rec in records.values():
+            if rec.role not in self.pools:
+                continue
+            known = self.pools[rec.role].handles.get(rec.worker_id)
+            try:
+                actor = known.actor if known is not None else ray.get_actor(rec.actor_name, namespace=rec.ray_namespace)
+                metadata = await asyncio.wait_for(actor.metadata.remote(), timeout_s)
+            except Exception as exc:  # gone (ValueError: no such actor), dead, or not answering
+                logger.warning("%s worker %s not adopted: %s", rec.role, rec.worker_id,
+                               str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                dead.append(rec.worker_id)
+                await self._registry("remove", rec.worker_id)
+                continue
+            record = self.pools[rec.role]
+            record.handles[rec.worker_id] = WorkerHandle(rec.worker_id, rec.role, actor, metadata)
+            (record.draining.add if rec.draining else record.draining.discard)(rec.worker_id)
+            member = self.pool.members.get(rec.worker_id)
+            if member is None or not member.view.alive:
+                self.pool.add(rec.worker_id, rec.role, actor)
+            self.pool.set_draining(rec.worker_id, rec.draining)
+            adopted.append(rec.worker_id)
+        for role, record in self.pools.items():  # handles the registry no longer lists: stopped meanwhile
+            for wid in [w for w in record.handles if w not in records]:
+                record.handles.pop(wid)
+                record.draining.discard(wid)
+                self.pool.remove(wid)
+        logger.info("control plane: adopted %d worker(s) %s; %d dead", len(adopted), adopted, len(dead))
+        return adopted, dead
+
+    async def ensure_minimum(self) -> None:
+        """Start workers until every pool has its minimum (after adopting a cluster that lost some)."""
+        starts = []
+        for role, record in self.pools.items():
+            live = len(record.handles) - len(record.draining) + record.pending
+            starts += [self.add_replica(role) for _ in range(self.config.pool(role).min_replicas - live)]
+        if starts:
+            await asyncio.gather(*starts)
+
+    def _ray_namespace(self) -> str | None:
+        if self.namespace:
+            return self.namespace
+        try:
+            import ray
+
+            return ray.get_runtime_context().namespace
+        except Exception:
+            return None
+
+    async def _registry(self, op: str, *args) -> None:
+        """One registry write, off the event loop; a failure is logged (the change itself stands)."""
+        if self.registry is None:
+            return
+        try:
+            await asyncio.to_thread(getattr(self.registry, op), *args)
+        except Exception as exc:
+            logger.warning("worker registry %s%s failed: %s", op, args[:1], exc)
 
     def _role_of(self, worker_id: str) -> str | None:
         for role, record in self.pools.items():
@@ -336,10 +419,14 @@ class PoolManager:
 
         task.add_done_callback(done)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, stop_workers: bool = True) -> None:
+        """Cancel the planner's actions in flight; stop every worker unless ``stop_workers`` is
+        False (an elected control plane's router leaving a cluster that other routers serve)."""
         for task in list(self._actions):
             task.cancel()
         await asyncio.gather(*self._actions, return_exceptions=True)
+        if not stop_workers:
+            return
         for record in self.pools.values():
             for wid in list(record.handles):
                 await self._stop(wid)

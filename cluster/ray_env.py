@@ -47,3 +47,22 @@ def use_routable() -> None:
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = True
+
+
+def use_token_auth_if_available() -> bool:
+    """Before ``ray.init(address=...)`` joins a running cluster: Ray 2.60 turns its token
+    authentication on by itself only for a cluster it finds on its own (``address`` None or
+    "auto"), so a process joining at an explicit address (``pdserve router``, a head with
+    ``ray.address``) would present no token to a cluster that wants one. With a token at hand
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ~/.ray/auth_token) and no ``RAY_AUTH_MODE``
+    chosen by the operator, ask for token mode; True when token mode is on."""
+    from pathlib import Path
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or path.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        return True
+    return False

@@ -8,15 +8,18 @@ Ray actor (``cluster.launcher``), so that ``pdserve up`` can return while it kee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 from pdserve.engine.contract import ClusterStatus, PoolStatus, RequestRecord, WorkerRole, WorkerStats, WorkerStatus
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.ledger import KVLedger, Side
+from pdserve.cluster.leader import LeaderLease
 from pdserve.cluster.ledger_writer import LedgerWriter
 from pdserve.cluster.pool_manager import PoolManager
 from pdserve.cluster.reaper import LeaseReaper
@@ -24,6 +27,7 @@ from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
 from pdserve.cluster.redis_server import connect
 from pdserve.cluster.batch_store import RedisBatchStore
 from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.worker_registry import RouterRecord, WorkerRegistry
 from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeyAuth, grpc_server_credentials, server_ssl_context
@@ -89,7 +93,14 @@ class RouterService:
         self.redis_url = redis_url
         self.pool = WorkerPool(stats_timeout_s=config.router.worker_stats_timeout_s,
                                dead_after_s=config.router.worker_dead_after_s)
-        self.manager = PoolManager(config, self.pool, namespace=namespace, detached=detached_workers)
+        self.router_id = self.pool.router_id
+        # An elected control plane: this router leads (planner, pool manager, reaper) only while
+        # it holds the lease in Redis; its workers are detached and listed in the registry.
+        self.elected = config.control_plane.election
+        if self.elected and not redis_url:
+            raise ValueError("control_plane.election needs Redis (the lease and the worker registry live there)")
+        self.registry: WorkerRegistry | None = None
+        self.lease: LeaderLease | None = None
         self.redis_client = None
         self.redis_guard: RedisGuard | None = None
         self.ledger: KVLedger | None = None
@@ -110,6 +121,19 @@ class RouterService:
                                           on_state=self.redis_metrics.set_up)
             self.ledger = KVLedger(self.redis_client, namespace=redis_namespace)
             self.request_log = RequestLog(self.redis_client, stream=f"{redis_namespace}:requests")
+            if self.elected:
+                self.registry = WorkerRegistry(self.redis_client, namespace=redis_namespace)
+                self.lease = LeaderLease(self.redis_client, f"{redis_namespace}:control-plane", self.router_id,
+                                         config.control_plane.lease_s)
+        self.manager = PoolManager(config, self.pool, namespace=namespace, detached=detached_workers or self.elected,
+                                   registry=self.registry)
+        self._adopted = False          # the manager holds the cluster's workers (leader, after adoption)
+        self._takeover: asyncio.Task | None = None
+        self._lease_stop = threading.Event()
+        self._lease_ticker: threading.Thread | None = None
+        self._routers: list[RouterRecord] = []   # every live router, as of the last heartbeat
+        self.leader_since_epoch: int | None = None
+        self.takeovers = 0             # times this router became the leader
         self.reap_interval_s = reap_interval_s
         self.redis_namespace = redis_namespace
         self.batch_store: RedisBatchStore | None = None
@@ -125,8 +149,16 @@ class RouterService:
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> Endpoints:
         cfg = self.config
-        await self.manager.start_initial()
-        self.pool.start()
+        if self.elected:
+            self.pool.start()
+            self._lease_stop.clear()
+            self._lease_ticker = threading.Thread(target=self._lease_thread, args=(asyncio.get_running_loop(),),
+                                                  name="control-plane-lease", daemon=True)
+            self._lease_ticker.start()
+            await self._wait_for_workers()
+        else:
+            await self.manager.start_initial()
+            self.pool.start()
         await self.pool.refresh()
         spec = load_model_spec(cfg.model.path)
         max_len = min(cfg.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -181,6 +213,9 @@ class RouterService:
             self._tasks.append(loop.create_task(self._reap_loop()))
         if cfg.planner.enabled:
             self._tasks.append(loop.create_task(self._plan_loop()))
+        if self.elected:
+            self._tasks.append(loop.create_task(self._follow_loop(), name="worker-registry"))
+            self._tasks.append(loop.create_task(self._heartbeat_loop(), name="router-heartbeat"))
         if self.batch_runner is not None:
             self._tasks.append(loop.create_task(self.batch_runner.run(), name="batch-runner"))
         logger.info("router serving: HTTP %s, gRPC %s", http.base_url, grpc.target)
@@ -192,7 +227,15 @@ class RouterService:
         d = self.config.decode
         return max(self.manager.replica_limit("decode"), d.min_replicas, 1) * d.engine.max_num_seqs
 
-    async def stop(self) -> None:
+    async def stop(self, stop_workers: bool | None = None) -> None:
+        """Stop serving. ``stop_workers`` (default: unless the control plane is elected, where
+        other routers may serve on) also stops every worker of the cluster."""
+        stop_workers = not self.elected if stop_workers is None else stop_workers
+        self._lease_stop.set()
+        if self._lease_ticker is not None:  # no tick may take the lease again after it is released below
+            await asyncio.to_thread(self._lease_ticker.join, 10.0)
+        if self._takeover is not None:
+            self._tasks.append(self._takeover)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -200,13 +243,151 @@ class RouterService:
             await self.batch_runner.close()
         for s in self._servers:
             await s.stop()
+        if self.elected and stop_workers and not self._adopted:
+            await self.manager.adopt()  # a follower stopping the cluster: it stops every listed worker
         await self.pool.stop()
-        await self.manager.shutdown()
+        await self.manager.shutdown(stop_workers=stop_workers)
+        if self.lease is not None:
+            await asyncio.to_thread(self.lease.release)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.registry.forget_router, self.router_id)
         if self.redis_guard is not None:
             self.redis_guard.close()
 
+    # --------------------------------------------------- elected control plane
+    def _leading(self) -> bool:
+        """Whether this router runs the control plane now (always, unless it is elected)."""
+        return not self.elected or (self.lease is not None and self.lease.leader and self._adopted)
+
+    @property
+    def is_leader(self) -> bool:
+        """This router runs the planner, the pool manager and the reaper now (an elected control
+        plane's leader once it adopted the workers; every router whose control plane is not elected)."""
+        return self._leading()
+
+    def _lease_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Tick the lease every third of it, in a thread of its own: a busy event loop (a worker
+        being started, a burst of streams) never makes the leader miss a renewal."""
+        interval = self.config.control_plane.lease_s / 3
+        while not self._lease_stop.is_set():
+            try:
+                state = self.lease.tick()
+            except Exception as exc:
+                state = None
+                logger.warning("control-plane lease: %s", exc)
+            try:
+                loop.call_soon_threadsafe(self._on_lease, state)
+            except RuntimeError:  # the loop closed
+                return
+            self._lease_stop.wait(interval)
+
+    def _on_lease(self, state) -> None:
+        """React to a lease tick (on the event loop): start the takeover when this router took the
+        lead, stop leading when it lost it."""
+        if self._lease_stop.is_set():
+            return
+        if state is None or not state.leader:
+            if state is not None and state.changed:
+                logger.warning("router %s is no longer the control-plane leader", self.router_id)
+            self._adopted = False
+            if self._takeover is not None and not self._takeover.done():
+                self._takeover.cancel()
+            return
+        if not self._adopted and (self._takeover is None or self._takeover.done()):
+            self._takeover = asyncio.get_running_loop().create_task(self._take_over(state.epoch))
+
+    async def _take_over(self, epoch: int | None) -> None:
+        """Become the control plane: adopt the registry's workers (reaping the dead ones' ledger
+        entries), or start the initial replicas of a new cluster; then top the pools up."""
+        try:
+            adopted, dead = await self.manager.adopt()
+            for worker_id in dead:
+                if self.ledger is not None:
+                    await self._reap_worker(worker_id)
+            if not adopted:
+                logger.info("control plane (epoch %s): no live workers listed; starting the initial replicas", epoch)
+                await self.manager.start_initial()
+            self._adopted = True    # from here the planner, the reaper and replacements run here
+            self.leader_since_epoch = epoch
+            self.takeovers += 1
+            logger.info("router %s leads the control plane (epoch %s) over %d worker(s)", self.router_id, epoch,
+                        sum(len(r.handles) for r in self.manager.pools.values()))
+            await self.manager.ensure_minimum()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("control-plane takeover failed; retried on the next lease tick")
+            self._adopted = False
+
+    async def _heartbeat_loop(self, interval_s: float = 2.0) -> None:
+        while True:
+            try:
+                await self._heartbeat()
+            except Exception as exc:
+                logger.warning("router heartbeat failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def _heartbeat(self) -> None:
+        import os
+        import socket
+
+        if self.endpoints is None:
+            return
+        record = RouterRecord(self.router_id, self.endpoints.http_url, self.endpoints.grpc_target,
+                              self._leading(), os.getpid(), socket.gethostname(), time.time())
+        with contextlib.suppress(RedisUnavailableError):
+            await self._redis("routers", self.registry.heartbeat, record)
+            self._routers = await self._redis("routers", self.registry.routers)
+
+    async def _wait_for_workers(self, timeout_s: float = 600.0) -> None:
+        """A follower's start: until the registry lists a decode worker (and a prefill worker when
+        the cluster disaggregates) and they are in this router's pool."""
+        need = {"decode"} | ({"prefill"} if self.config.prefill.min_replicas > 0 else set())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._leading():
+                return
+            if self._takeover is None or self._takeover.done():  # a leader's start_initial adds to the pool itself
+                with contextlib.suppress(RedisUnavailableError):
+                    await self._follow_once()
+                if need <= {m.role for m in self.pool.members.values() if m.view.alive}:
+                    return
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"no workers listed in Redis after {timeout_s:.0f} s: is a control-plane leader running?")
+
+    async def _follow_once(self) -> None:
+        """Route to what the registry lists: add new workers, drop stopped ones, copy draining."""
+        import ray
+
+        records = await self._redis("registry", self.registry.workers)
+        for wid, rec in records.items():
+            member = self.pool.members.get(wid)
+            if member is None:
+                try:
+                    actor = ray.get_actor(rec.actor_name, namespace=rec.ray_namespace)
+                except ValueError:
+                    continue  # stopped or dead: the leader deletes its record
+                self.pool.add(wid, rec.role, actor)
+                logger.info("router %s routes to %s worker %s", self.router_id, rec.role, wid)
+            self.pool.set_draining(wid, rec.draining)
+        if not self._leading():  # the leader's pool manager keeps its own pool up to date
+            for wid in [w for w in self.pool.members if w not in records]:
+                self.pool.remove(wid)
+
+    async def _follow_loop(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._follow_once()
+            except RedisUnavailableError:
+                pass
+            except Exception as exc:
+                logger.warning("worker registry sync failed: %s", exc)
+
     # ------------------------------------------------------------ background
     def _on_worker_lost(self, worker_id: str) -> None:
+        if not self._leading():
+            return  # the leader reaps and replaces it; the registry then drops it here too
         loop = asyncio.get_running_loop()
         loop.create_task(self._handle_lost(worker_id))
 
@@ -264,6 +445,8 @@ class RouterService:
                     await self.ledger_writer.resync(live, lease)
                     if self.ledger_writer.needs_resync():
                         continue
+                if not self._leading():
+                    continue  # the leader reaps
                 for worker_id in sorted(self._lost_while_down):
                     self._lost_while_down.discard(worker_id)
                     await self._reap_worker(worker_id)
@@ -288,6 +471,8 @@ class RouterService:
     async def _plan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.planner.interval_s)
+            if not self._leading():
+                continue
             try:
                 decisions = await self.manager.plan_once()
                 self.planner_metrics.observe(decisions, {r: len(p.handles) for r, p in self.manager.pools.items()})
@@ -336,4 +521,11 @@ class RouterService:
             uptime_s=time.time() - self.started_at,
             redis=dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
             batches=self.batch_runner.snapshot if self.batch_runner is not None else [],
+            control_plane=self._control_plane_status(),
         ).to_dict()
+
+    def _control_plane_status(self) -> dict | None:
+        if not self.elected:
+            return None
+        return {"router_id": self.router_id, "leader": self._leading(), "epoch": self.leader_since_epoch,
+                "takeovers": self.takeovers, "routers": [dataclasses.asdict(r) for r in self._routers]}

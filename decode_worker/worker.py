@@ -8,7 +8,10 @@ Life of one disaggregated request here:
 2. The prefill worker writes the blocks; the receiver sees them land (``poll`` on each tick).
 3. ``start``: with the first token from the prefill worker, the request joins the running
    batch on the next step after the KV has landed.
-4. Each step's tokens go to an outbox; ``drain`` hands the router all of them at once.
+4. Each step's tokens go to the outbox of the router that sent the request (``owner``);
+   ``take_outputs`` hands that router all of its outputs at once. A worker serves several routers:
+   a router that stops taking its outputs for ``owner_gone_after_s`` is gone, and its requests
+   are aborted here (their blocks freed), so a dead router's streams never hold KV.
 5. Finish, abort, a failed or timed-out transfer: the blocks are freed (reserved blocks only
    once no write of that request can still land in them).
 """
@@ -33,6 +36,8 @@ from pdserve.worker.base import WorkerBase
 logger = logging.getLogger(__name__)
 
 ITL_WINDOW_S = 10.0  # the window of the inter-token latency a decode worker reports
+# The owner of requests sent without one: a single router (tests, the local backend).
+DEFAULT_OWNER = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +66,26 @@ class DecodeWorker(WorkerBase):
     role = WorkerRole.DECODE
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
-                 outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0) -> None:
+                 outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0,
+                 owner_gone_after_s: float = 30.0) -> None:
         """``kv_quarantine_s``: how long the reserved blocks of a transfer that did not land stay
-        unusable when the prefill side never confirms it stopped writing (see ``KVReceiver``)."""
-        if transfer_timeout_s <= 0 or kv_quarantine_s < 0:
-            raise ValueError(f"transfer_timeout_s must be > 0 and kv_quarantine_s >= 0 "
-                             f"(got {transfer_timeout_s}, {kv_quarantine_s})")
+        unusable when the prefill side never confirms it stopped writing (see ``KVReceiver``).
+        ``owner_gone_after_s``: a router that has not taken its outputs for this long is gone."""
+        if transfer_timeout_s <= 0 or kv_quarantine_s < 0 or owner_gone_after_s <= 0:
+            raise ValueError(f"transfer_timeout_s and owner_gone_after_s must be > 0 and kv_quarantine_s >= 0 "
+                             f"(got {transfer_timeout_s}, {owner_gone_after_s}, {kv_quarantine_s})")
         super().__init__(worker_id, engine_config, EngineMode.DECODE)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_quarantine_s = kv_quarantine_s
         self._reservations: dict[str, _Reservation] = {}
-        self._outbox: list[StepOutput] = []
+        # one outbox per router; every request's outputs go to the router that sent it
+        self._outboxes: dict[str, list[StepOutput]] = {}
+        self._owner_of: dict[str, str] = {}        # request id -> router id (until it finishes)
+        self._last_take: dict[str, float] = {}     # router id -> when it last took its outputs
         self._outbox_cv = threading.Condition()
         self._outbox_limit = outbox_limit
+        self.owner_gone_after_s = owner_gone_after_s
+        self.owners_gone = 0  # routers whose requests were aborted because they stopped taking outputs
         # inter-token latency as the streams see it at this worker: the gap between a request's
         # consecutive outputs with tokens, over the last ITL_WINDOW_S (stats' itl_ms, the planner)
         self._last_emit: dict[str, float] = {}
@@ -86,9 +98,11 @@ class DecodeWorker(WorkerBase):
 
     # ------------------------------------------------------------------ peers
     # ------------------------------------------------------------- handoff
-    def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float | None = None) -> bytes:
+    def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float | None = None,
+                owner: str = DEFAULT_OWNER) -> bytes:
         """Reserve blocks for a prompt's KV; returns ``TransferParams`` bytes for the prefill worker.
-        Raises ``OutOfBlocksError`` when the cache cannot hold it now."""
+        Raises ``OutOfBlocksError`` when the cache cannot hold it now. ``owner``: the router
+        whose ``take_outputs`` gets this request's outputs."""
         if num_prompt_tokens < 1:
             raise InvalidRequestError("num_prompt_tokens must be >= 1")
 
@@ -106,6 +120,7 @@ class DecodeWorker(WorkerBase):
             self._reservations[request_id] = _Reservation(
                 request_id, blocks, receiver,
                 expires_at=time.monotonic() + 2 * (timeout_s or self.transfer_timeout_s))
+            self._own(request_id, owner)
             return receiver.params().to_bytes()
 
         return self._loop.call(do)
@@ -140,10 +155,18 @@ class DecodeWorker(WorkerBase):
         return self._loop.call(do)
 
     def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE) -> None:
+                       priority: Priority = Priority.INTERACTIVE, owner: str = DEFAULT_OWNER) -> None:
         """Prefill and decode here (conditional disaggregation / migration target)."""
-        self._loop.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority),
-                        urgent=priority is Priority.INTERACTIVE)
+        def do(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt_token_ids, params, priority)
+            self._own(request_id, owner)
+
+        self._loop.call(do, urgent=priority is Priority.INTERACTIVE)
+
+    def _own(self, request_id: str, owner: str) -> None:
+        with self._outbox_cv:
+            self._owner_of[request_id] = owner
+            self._last_take.setdefault(owner, time.monotonic())
 
     def abort(self, request_id: str, sender_dead: bool = False) -> bool:
         """End a request wherever it is. ``sender_dead``: its prefill worker's process is known to
@@ -203,7 +226,33 @@ class DecodeWorker(WorkerBase):
                 self._advance(res)
             except Exception:  # keep the other reservations moving; this one retries next tick
                 logger.exception("request %s: polling its KV transfer failed", res.request_id)
+        self._abort_for_gone_owners()
         return bool(self._reservations)
+
+    def _abort_for_gone_owners(self) -> None:
+        """Abort (and free the blocks of) every request of a router that stopped taking outputs."""
+        now = time.monotonic()
+        with self._outbox_cv:
+            gone = {o for o, t in self._last_take.items() if now - t > self.owner_gone_after_s}
+            if not gone:
+                return
+            orphans = [rid for rid, o in self._owner_of.items() if o in gone]
+            had_requests = {self._owner_of.pop(rid) for rid in orphans}
+            for owner in gone:
+                del self._last_take[owner]
+                self._outboxes.pop(owner, None)
+        if not orphans:
+            return
+        self.owners_gone += len(had_requests)
+        logger.warning("router(s) %s took no outputs for %.0f s: aborting their %d request(s)",
+                       sorted(had_requests), self.owner_gone_after_s, len(orphans))
+        for rid in orphans:
+            res = self._reservations.get(rid)
+            if res is not None:
+                if not res.ending:
+                    self._end_reservation(res, "its router is gone")
+            else:
+                self.engine.abort(rid)
 
     def _emit_error(self, request_id: str, message: str) -> None:
         self._publish([StepOutput(request_id, finished=True, finish_reason="error", error=message)])
@@ -214,9 +263,16 @@ class DecodeWorker(WorkerBase):
             if out.finished and isinstance(out.phase, RequestPhase):
                 self._notify(self.observer.request_finished, out.phase)
         with self._outbox_cv:
-            self._outbox.extend(outputs)
-            if len(self._outbox) > self._outbox_limit:
-                logger.error("outbox over %d entries: is a router draining it?", self._outbox_limit)
+            for out in outputs:
+                owner = (self._owner_of.pop(out.request_id, None) if out.finished
+                         else self._owner_of.get(out.request_id))
+                if owner is None:  # its router is gone (the request was aborted for that), or it ended before
+                    continue
+                box = self._outboxes.setdefault(owner, [])
+                box.append(out)
+                if len(box) == self._outbox_limit + 1:
+                    logger.error("outbox of router %r over %d entries: is it taking them?", owner,
+                                 self._outbox_limit)
             self._outbox_cv.notify_all()
 
     def _record_itl(self, outputs: list[StepOutput]) -> None:
@@ -246,16 +302,20 @@ class DecodeWorker(WorkerBase):
             return 1000.0 * sum(g for _, g in self._itl_window) / len(self._itl_window)
 
     # -------------------------------------------------------------- output
-    def take_outputs(self, timeout_s: float = 0.05) -> list[StepOutput]:
-        """Every output since the last call (all requests of all steps), waiting up to ``timeout_s``."""
+    def take_outputs(self, timeout_s: float = 0.05, owner: str = DEFAULT_OWNER) -> list[StepOutput]:
+        """Every output for router ``owner`` since its last call (all its requests of all steps),
+        waiting up to ``timeout_s``. Calling this is also how a router says it is alive."""
         deadline = time.monotonic() + timeout_s
         with self._outbox_cv:
-            while not self._outbox:
+            self._last_take[owner] = time.monotonic()
+            while not self._outboxes.get(owner):
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._last_take[owner] = time.monotonic()
                     return []
                 self._outbox_cv.wait(left)
-            out, self._outbox = self._outbox, []
+            out = self._outboxes.pop(owner)
+            self._last_take[owner] = time.monotonic()
         return out
 
     def stats(self) -> WorkerStats:

@@ -316,6 +316,8 @@ class ClusterStatus:
     uptime_s: float = 0.0
     redis: dict[str, object] | None = None
     batches: list[dict[str, object]] = field(default_factory=list)
+    # an elected control plane: this router, the leader's epoch, every live router's record
+    control_plane: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -331,4 +333,4 @@ class ClusterStatus:
             workers=[WorkerStatus(**{k: v for k, v in w.items() if k in worker_fields}) for w in d.get("workers") or []],
             planner=list(d.get("planner") or []), migrations=int(d.get("migrations") or 0),
             retries=int(d.get("retries") or 0), uptime_s=float(d.get("uptime_s") or 0.0), redis=d.get("redis"),
-            batches=list(d.get("batches") or []))
+            batches=list(d.get("batches") or []), control_plane=d.get("control_plane"))

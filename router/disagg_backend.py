@@ -273,9 +273,10 @@ class DisaggBackend:
     async def _reserve(self, attempt: str, d: str, num_tokens: int, deadline: float | None) -> bytes:
         wait_until = time.monotonic() + self.reserve_wait_s
         delay = 0.01
+        owner = self.pool.router_id  # the decode worker streams this request's tokens to this router only
         while True:
             try:
-                return await self._call(d, lambda a: a.reserve.remote(attempt, num_tokens))
+                return await self._call(d, lambda a: a.reserve.remote(attempt, num_tokens, owner=owner))
             except OutOfBlocksError:
                 now = time.monotonic()
                 if now > wait_until or (deadline is not None and now > deadline):
@@ -307,7 +308,8 @@ class DisaggBackend:
                 local_tokens = len(prompt)
                 d_view.local_prefill_tokens += local_tokens
                 await self._ledger_reserve(attempt, d, [])
-                await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority))
+                await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority,
+                                                                          owner=self.pool.router_id))
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
                 first = await self._handoff(attempt, d, p, prompt, params, req, acc, queue)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,12 @@ class PoolMember:
 
 class WorkerPool:
     def __init__(self, stats_interval_s: float = 0.25, outputs_wait_s: float = 0.5, *,
-                 stats_timeout_s: float = 5.0, dead_after_s: float = 30.0) -> None:
+                 stats_timeout_s: float = 5.0, dead_after_s: float = 30.0, router_id: str | None = None) -> None:
         """A worker whose stats poll takes longer than ``stats_timeout_s`` gets no new work; one
         silent for ``dead_after_s`` is killed (a hung process must not keep its blocks, its
-        streams or its Ray resources) and treated as lost."""
+        streams or its Ray resources) and treated as lost. ``router_id`` names this router to the
+        decode workers, which keep one outbox per router (several routers share the workers)."""
+        self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.members: dict[str, PoolMember] = {}
         self._queues: dict[str, asyncio.Queue] = {}      # attempt id -> stream
         self._attempt_worker: dict[str, str] = {}         # attempt id -> decode worker id
@@ -147,7 +150,7 @@ class WorkerPool:
         while worker_id in self.members:
             member = self.members[worker_id]
             try:
-                outputs = await member.actor.take_outputs.remote(self._outputs_wait_s)
+                outputs = await member.actor.take_outputs.remote(self._outputs_wait_s, self.router_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -83,11 +83,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 class ClusterHarness:
-    def __init__(self, config: ClusterConfig, redis_url: str, *, reap_interval_s: float = 0.5) -> None:
+    def __init__(self, config: ClusterConfig, redis_url: str, *, reap_interval_s: float = 0.5,
+                 redis_namespace: str | None = None) -> None:
         self.config = config
-        # A namespace of its own: other services on the session's Redis keep their entries apart.
+        # A namespace of its own (unless routers of one cluster share it): other services on the
+        # session's Redis keep their entries apart.
         self.service = RouterService(config, redis_url=redis_url, reap_interval_s=reap_interval_s,
-                                     redis_namespace=f"t{uuid.uuid4().hex[:10]}")
+                                     redis_namespace=redis_namespace or f"t{uuid.uuid4().hex[:10]}")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-service", daemon=True)
         self._started = False
@@ -118,7 +120,7 @@ class ClusterHarness:
             if self._started:
                 wait_until(lambda: not any(r.pending for r in self.service.manager.pools.values()),
                            START_TIMEOUT_S, "replacement workers started")
-                self.call(self.service.stop(), timeout_s)
+                self.call(self.service.stop(stop_workers=True), timeout_s)  # elected or not: no worker outlives a test
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

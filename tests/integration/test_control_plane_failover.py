@@ -1,0 +1,128 @@
+"""Two routers of one cluster with an elected control plane, and the leader's process killed
+mid-traffic (``SIGKILL``).
+
+Router A runs in a process of its own (``elected_router_proc.py``) and starts first, so it
+leads: it starts the workers (detached Ray actors, listed in Redis). Router B runs in this
+process and follows: it routes to the workers the registry lists. Both stream a long greedy
+completion; A is killed while both streams are under way. Then:
+
+* B's stream completes token-identical to the engine alone (the workers kept serving);
+* B takes the control plane over within the lease and adopts the same workers (none
+  restarted);
+* the dead router's request is aborted by its decode worker (A stopped taking its outputs) and
+  its ledger entry is reaped by the new leader: no block and no ledger entry is left;
+* the new leader acts: a decode worker killed afterwards is replaced, and requests through B
+  still give the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+LEASE_S = 3.0
+LEDGER_LEASE_S = 6.0
+PROMPT = "Two routers share the workers, and either of them may lead the control plane:"
+GEN = 1200
+PROC = Path(__file__).with_name("elected_router_proc.py")
+
+
+def start_router(model_dir: Path, redis_url: str, namespace: str, log: Path) -> tuple[subprocess.Popen, dict]:
+    import ray
+
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, ROUTER_RAY_ADDRESS=ray.get_runtime_context().gcs_address, ROUTER_REDIS_URL=redis_url,
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    with open(log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, str(PROC), str(model_dir), namespace, str(LEASE_S),
+                                 str(LEDGER_LEASE_S)], stdout=subprocess.PIPE, stderr=err, env=env)
+    line: list[bytes] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(240)
+    if not line or not line[0]:
+        proc.kill()
+        raise AssertionError(f"router A did not start; its log:\n{log.read_text()[-3000:]}")
+    return proc, json.loads(line[0])
+
+
+def stream(base_url: str, model: str, max_tokens: int, progress: list[int]) -> list[int]:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tokens: list[int] = []
+    for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        tokens.extend(((chunk.model_extra or {}).get("pdserve") or {}).get("token_ids", []))
+        progress[0] = len(tokens)
+    return tokens
+
+
+def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redis_namespace, tmp_path) -> None:
+    config = cluster_config(tiny_model, **{"control_plane.election": True, "control_plane.lease_s": LEASE_S,
+                                           "router.worker_dead_after_s": 10.0})
+    engine = reference_engine(config)
+    ids = list(engine.stopper.tokenizer(PROMPT)["input_ids"])
+    ref = engine.generate([ids], greedy(GEN))[0]
+    del engine
+    proc, a = start_router(tiny_model, redis_server.url, redis_namespace, tmp_path / "router-a.log")
+    b = ClusterHarness(config, redis_server.url, redis_namespace=redis_namespace)
+    try:
+        assert a["leader"], a
+        b.start()
+        assert not b.service.is_leader
+        before = {wid: m.role for wid, m in b.service.pool.members.items()}
+        assert sorted(before.values()) == ["decode", "prefill"], before
+
+        # one stream on each router; A dies once both are under way
+        progress_a, progress_b = [0], [0]
+        with ThreadPoolExecutor(2) as pool:
+            on_b = pool.submit(stream, b.http_url, b.model_name, GEN, progress_b)
+            on_a = pool.submit(stream, a["http"], b.model_name, GEN, progress_a)
+            wait_until(lambda: progress_a[0] >= 10 and progress_b[0] >= 10, 60.0, "both streams under way")
+            proc.kill()
+            killed_at = time.monotonic()
+            proc.wait(10)
+            assert on_b.result(120) == ref   # the workers served B through the switch
+            try:
+                a_tokens = on_a.result(60)
+            except openai.APIError:
+                a_tokens = None
+            assert a_tokens is None or len(a_tokens) < GEN, "the killed router's stream cannot have completed"
+
+        wait_until(lambda: b.service.is_leader, 3 * LEASE_S + 10.0, "router B leads the control plane")
+        takeover_s = time.monotonic() - killed_at
+        assert takeover_s < LEASE_S + 10.0, takeover_s
+        assert b.service.takeovers == 1
+        assert {wid: m.role for wid, m in b.service.pool.members.items()} == before   # adopted, none restarted
+        assert set(b.service.manager.pools["decode"].handles) | set(b.service.manager.pools["prefill"].handles) \
+            == set(before)
+        status = b.service.status()["control_plane"]
+        assert status["leader"] and status["router_id"] == b.service.router_id
+
+        # A's request: aborted by its decode worker, its ledger entry reaped by the new leader
+        b.assert_nothing_held(timeout_s=60.0)
+
+        # the new leader acts: a dead decode worker is replaced (the pool's minimum is 1)
+        (victim,) = b.members("decode")
+        b.kill(victim)
+        wait_until(lambda: any(m.worker_id != victim.worker_id and m.view.routable for m in b.members("decode")),
+                   180.0, "a replacement decode worker")
+        listed = set(b.service.registry.workers())
+        assert victim.worker_id not in listed and len(listed) == 2, listed
+        assert stream(b.http_url, b.model_name, 32, [0]) == ref[:32]
+        b.assert_nothing_held(timeout_s=60.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        b.stop()
