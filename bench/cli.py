@@ -23,6 +23,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "batch": ("pdserve.bench.batch", "interactive TTFT with and without a concurrent batch; batch throughput"),
     "structured": ("pdserve.bench.structured", "grammar libraries compared, and a grammar's cost to its batch"),
     "simulate": ("pdserve.bench.simulate", "the capacity simulator against real runs here, and its speed"),
+    "failover": ("pdserve.bench.failover", "control-plane leader and router deaths: time to recover, requests lost"),
 }
 
 

@@ -60,6 +60,7 @@ class PoolManager:
                                             colocated=config.router.disaggregation.mode == "never")
                          if config.planner.profile is not None else None)
         self.decisions: list[PlannerDecision] = []
+        self.decided_at: float | None = None   # wall time of the last decisions
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
         self._join_lock = asyncio.Lock()
@@ -380,6 +381,7 @@ class PoolManager:
             now = time.time()
             decisions = self.planner.decide(now, self.pool_states(), self.metrics(now), self.model_targets())
             self.decisions = decisions
+            self.decided_at = now
             for d in decisions:
                 role = str(d.role)
                 if d.action is ScaleAction.SCALE_UP:

@@ -515,7 +515,7 @@ class RouterService:
                    for role, rec in self.manager.pools.items()},
             workers=workers,
             planner=[{"pool": str(d.role), "action": d.action.value, "target": d.target_replicas,
-                      "reason": d.reason} for d in self.manager.decisions],
+                      "reason": d.reason, "at": self.manager.decided_at} for d in self.manager.decisions],
             migrations=self.backend.migrations if self.backend else 0,
             retries=self.backend.retries if self.backend else 0,
             uptime_s=time.time() - self.started_at,

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 ITL_WINDOW_S = 10.0  # the window of the inter-token latency a decode worker reports
 # The owner of requests sent without one: a single router (tests, the local backend).
 DEFAULT_OWNER = ""
+MAX_ENDED_STREAMS = 10_000  # ended streams kept for resuming, at most (the oldest go first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,18 @@ class _PendingStart:
     first_token_id: int
     params: SamplingParams
     priority: Priority
+
+
+@dataclass(slots=True)
+class StreamRecord:
+    """What a decode worker knows of a stream a client may resume on another router: every token
+    of the sequence (prompt, then output), and how it ended (None: it had not; "abort": it was
+    cut off, e.g. its router died), so the resuming router can send the rest."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    ended_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -67,10 +80,11 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,
                  outbox_limit: int = 1_000_000, kv_quarantine_s: float = 5.0,
-                 owner_gone_after_s: float = 30.0) -> None:
+                 owner_gone_after_s: float = 30.0, resume_window_s: float = 120.0) -> None:
         """``kv_quarantine_s``: how long the reserved blocks of a transfer that did not land stay
         unusable when the prefill side never confirms it stopped writing (see ``KVReceiver``).
-        ``owner_gone_after_s``: a router that has not taken its outputs for this long is gone."""
+        ``owner_gone_after_s``: a router that has not taken its outputs for this long is gone.
+        ``resume_window_s``: how long an ended stream's tokens are kept for a client resuming it."""
         if transfer_timeout_s <= 0 or kv_quarantine_s < 0 or owner_gone_after_s <= 0:
             raise ValueError(f"transfer_timeout_s and owner_gone_after_s must be > 0 and kv_quarantine_s >= 0 "
                              f"(got {transfer_timeout_s}, {owner_gone_after_s}, {kv_quarantine_s})")
@@ -86,6 +100,12 @@ class DecodeWorker(WorkerBase):
         self._outbox_limit = outbox_limit
         self.owner_gone_after_s = owner_gone_after_s
         self.owners_gone = 0  # routers whose requests were aborted because they stopped taking outputs
+        # streams a client may resume through another router (``take_stream``): live ones by
+        # request id, ended ones by resume key for ``resume_window_s``
+        self._resume_key_of: dict[str, str] = {}           # request id -> resume key
+        self._live_streams: dict[str, StreamRecord] = {}     # request id -> its tokens so far
+        self._ended_streams: dict[str, StreamRecord] = {}    # resume key -> the ended stream
+        self.resume_window_s = resume_window_s
         # inter-token latency as the streams see it at this worker: the gap between a request's
         # consecutive outputs with tokens, over the last ITL_WINDOW_S (stats' itl_ms, the planner)
         self._last_emit: dict[str, float] = {}
@@ -126,13 +146,15 @@ class DecodeWorker(WorkerBase):
         return self._loop.call(do)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-              priority: Priority = Priority.INTERACTIVE) -> None:
-        """Admit a reserved request once its KV has landed (now, or on a later tick)."""
+              priority: Priority = Priority.INTERACTIVE, resume_key: str = "") -> None:
+        """Admit a reserved request once its KV has landed (now, or on a later tick).
+        ``resume_key``: the client's stream key, for ``take_stream`` ("" : not resumable)."""
         def do(_engine: LLMEngine) -> None:
             res = self._reservations.get(request_id)
             if res is None or res.ending:
                 raise KVTransferError(f"request {request_id!r} has no live KV reservation on {self.worker_id}")
             res.pending_start = _PendingStart(prompt_token_ids, first_token_id, params, priority)
+            self._track(request_id, resume_key, prompt_token_ids, [first_token_id])
             self._advance(res)
 
         self._loop.call(do)
@@ -155,13 +177,58 @@ class DecodeWorker(WorkerBase):
         return self._loop.call(do)
 
     def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, owner: str = DEFAULT_OWNER) -> None:
+                       priority: Priority = Priority.INTERACTIVE, owner: str = DEFAULT_OWNER,
+                       resume_key: str = "") -> None:
         """Prefill and decode here (conditional disaggregation / migration target)."""
         def do(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt_token_ids, params, priority)
             self._own(request_id, owner)
+            self._track(request_id, resume_key, prompt_token_ids, [])
 
         self._loop.call(do, urgent=priority is Priority.INTERACTIVE)
+
+    def _track(self, request_id: str, resume_key: str, prompt: list[int], first: list[int]) -> None:
+        if resume_key:
+            with self._outbox_cv:
+                self._resume_key_of[request_id] = resume_key
+                self._live_streams[request_id] = StreamRecord(list(prompt) + first, len(prompt))
+
+    def take_stream(self, resume_key: str) -> StreamRecord | None:
+        """The stream a client resumes through another router: a live one is aborted here (the
+        resuming router continues it from its tokens) and returned with ``finish_reason`` None; an
+        ended one is returned as it ended. Either way it is handed out once. None: no such stream."""
+        def do(engine: LLMEngine) -> StreamRecord | None:
+            with self._outbox_cv:
+                self._prune_ended()
+                ended = self._ended_streams.pop(resume_key, None)
+                if ended is not None:
+                    return ended
+                rid = next((r for r, k in self._resume_key_of.items() if k == resume_key), None)
+                if rid is None:
+                    return None
+                record = self._live_streams.pop(rid)
+                del self._resume_key_of[rid]
+                owner = self._owner_of.pop(rid, None)   # its abort output goes nowhere, but
+                if owner is not None:                   # a router still streaming it learns it ended
+                    self._outboxes.setdefault(owner, []).append(StepOutput(
+                        rid, finished=True, finish_reason="abort"))  # as if it aborted it: no retry there
+                    self._outbox_cv.notify_all()
+            res = self._reservations.get(rid)
+            if res is not None:
+                if not res.ending:
+                    self._end_reservation(res, "resumed through another router")
+            else:
+                engine.abort(rid)
+            return StreamRecord(record.token_ids, record.num_prompt_tokens, None, time.monotonic())
+
+        return self._loop.call(do)
+
+    def _prune_ended(self) -> None:
+        horizon = time.monotonic() - self.resume_window_s
+        for key in [k for k, r in self._ended_streams.items() if r.ended_at < horizon]:
+            del self._ended_streams[key]
+        while len(self._ended_streams) > MAX_ENDED_STREAMS:
+            del self._ended_streams[next(iter(self._ended_streams))]
 
     def _own(self, request_id: str, owner: str) -> None:
         with self._outbox_cv:
@@ -251,6 +318,12 @@ class DecodeWorker(WorkerBase):
             if res is not None:
                 if not res.ending:
                     self._end_reservation(res, "its router is gone")
+                with self._outbox_cv:  # no output will end its stream: end it here (resumable)
+                    stream = self._live_streams.pop(rid, None)
+                    key = self._resume_key_of.pop(rid, None)
+                    if stream is not None and key is not None:
+                        stream.finish_reason, stream.ended_at = "abort", time.monotonic()
+                        self._ended_streams[key] = stream
             else:
                 self.engine.abort(rid)
 
@@ -264,6 +337,13 @@ class DecodeWorker(WorkerBase):
                 self._notify(self.observer.request_finished, out.phase)
         with self._outbox_cv:
             for out in outputs:
+                stream = self._live_streams.get(out.request_id)
+                if stream is not None:
+                    stream.token_ids.extend(out.new_token_ids)
+                    if out.finished:
+                        del self._live_streams[out.request_id]
+                        stream.finish_reason, stream.ended_at = out.finish_reason or "abort", time.monotonic()
+                        self._ended_streams[self._resume_key_of.pop(out.request_id)] = stream
                 owner = (self._owner_of.pop(out.request_id, None) if out.finished
                          else self._owner_of.get(out.request_id))
                 if owner is None:  # its router is gone (the request was aborted for that), or it ended before

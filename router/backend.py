@@ -54,6 +54,10 @@ class GenerateRequest:
     priority: Priority = Priority.INTERACTIVE
     deadline: float | None = None  # time.monotonic() deadline, or None
     client_id: str = ""  # the client's own id, for logs only (``request_id`` is the server's)
+    # A stream a client may resume on another router: its key (a digest of the client's scope and
+    # id; "" when it gave no id), and, on a resuming request, how many tokens the client has.
+    resume_key: str = ""
+    resume_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from pdserve.engine.sequence import Priority
 from pdserve.engine.errors import (
     DeadlineExceededError,
     EngineStepError,
+    InvalidRequestError,
     KVTransferError,
     OutOfBlocksError,
     OverloadedError,
@@ -41,6 +42,7 @@ from pdserve.engine.errors import (
 from pdserve.kv_transfer import TransferParams
 from pdserve.router.ledger_port import LedgerSink, LedgerState
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
+from pdserve.router.errors import StreamNotFoundError
 from pdserve.router.policy import RoutingDecision, RoutingPolicy
 from pdserve.router.worker_pool import DEADLINE, LOST, WorkerLost, WorkerPool, is_actor_death, remote_error
 
@@ -141,6 +143,22 @@ class DisaggBackend:
         acc = _RequestRecord()
         first_token_at: float | None = None
         prefer: str | None = None  # the prefill worker that holds the prompt's KV after a decode-side loss
+        if req.resume_from is not None:
+            try:
+                emitted, ended = await self._resume(req)
+            except PdserveError as exc:
+                yield self._finish(Finished("error", error=exc), req, [], started, None, acc)
+                return
+            first_token_at = time.monotonic()
+            if len(emitted) > req.resume_from:
+                yield TokenDelta(emitted[req.resume_from:])
+            if ended is None and len(emitted) >= req.params.max_tokens:
+                ended = "length"
+            if ended is not None:
+                yield self._finish(Finished(ended), req, emitted, started, first_token_at, acc)
+                return
+            self.migrations += 1
+            acc.migrations += 1
         for attempt_no in range(1, self.max_attempts + 1):
             acc.attempts = attempt_no
             prompt = req.prompt_token_ids + emitted
@@ -190,6 +208,36 @@ class DisaggBackend:
         logger.warning("request %s: no worker could serve it after %d attempts", req.request_id, self.max_attempts)
         err = WorkerUnavailableError(f"no worker could serve this request after {self.max_attempts} attempts")
         yield self._finish(Finished("error", error=err), req, emitted, started, first_token_at, acc)
+
+    async def _resume(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """A resumed stream's output so far and how it ended (None: it had not, or was cut off,
+        and goes on by migration: its prompt and output prefilled again). The stream is taken
+        from the decode worker that holds it (a live one is stopped there)."""
+        if not req.resume_key:
+            raise InvalidRequestError("resuming a stream (Last-Event-ID) needs the request's own id: send the "
+                                      "X-Request-Id header the stream was started with")
+        members = [m for m in self.pool.members.values() if m.role == "decode" and m.view.alive]
+        found = await asyncio.gather(*(asyncio.wait_for(m.actor.take_stream.remote(req.resume_key), self.call_timeout_s)
+                                       for m in members), return_exceptions=True)
+        records = [r for r in found if r is not None and not isinstance(r, BaseException)]
+        if not records:
+            raise StreamNotFoundError(
+                f"no stream with request id {req.client_id!r} to resume: it ended too long ago, was never started "
+                "with that id by this cluster, or its decode worker is gone; send the request again without "
+                "Last-Event-ID")
+        record = max(records, key=lambda r: len(r.token_ids))
+        prompt = req.prompt_token_ids
+        if record.token_ids[:len(prompt)] != prompt or record.num_prompt_tokens < len(prompt):
+            raise InvalidRequestError(f"the request does not match the stream {req.client_id!r} it resumes (its "
+                                      "prompt differs): send the same request body the stream was started with")
+        emitted = record.token_ids[len(prompt):]
+        if req.resume_from > len(emitted):
+            raise InvalidRequestError(f"Last-Event-ID says {req.resume_from} tokens were received, but stream "
+                                      f"{req.client_id!r} had produced {len(emitted)}")
+        ended = record.finish_reason if record.finish_reason not in (None, "abort", "error") else None
+        logger.info("request %s resumes the client's stream %r after %d of its %d tokens (%s)", req.request_id,
+                    req.client_id, req.resume_from, len(emitted), ended or "continued by migration")
+        return list(emitted), ended
 
     # -------------------------------------------------------------- attempts
     async def _route(self, prompt: list[int], excluded: set[str], deadline: float | None = None,
@@ -309,7 +357,8 @@ class DisaggBackend:
                 d_view.local_prefill_tokens += local_tokens
                 await self._ledger_reserve(attempt, d, [])
                 await self._call(d, lambda a: a.generate_local.remote(attempt, prompt, params, req.priority,
-                                                                          owner=self.pool.router_id))
+                                                                          owner=self.pool.router_id,
+                                                                          resume_key=req.resume_key))
                 await self._ledger(LedgerState.DECODING, attempt)
             else:
                 first = await self._handoff(attempt, d, p, prompt, params, req, acc, queue)
@@ -422,7 +471,8 @@ class DisaggBackend:
             return first
         await self._ledger(LedgerState.LANDED, attempt)
         try:
-            await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority))
+            await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority,
+                                                           resume_key=req.resume_key))
         except KVTransferError as exc:  # the reservation ended meanwhile (timeout, failed transfer)
             raise _AttemptFailed(d, f"start on {d} failed: {exc}") from exc
         await self._ledger(LedgerState.DECODING, attempt)

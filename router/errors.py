@@ -83,6 +83,15 @@ class BodyTimeoutError(InvalidRequestError):
         self.code = "request_timeout"
 
 
+class StreamNotFoundError(PdserveError):
+    """A request resuming a stream (``Last-Event-ID``) names no stream any decode worker still
+    knows (HTTP 404): it ended longer ago than the workers keep streams, or never existed."""
+
+    grpc_status = "NOT_FOUND"
+    http_status = 404
+    error_type = "not_found_error"
+
+
 class DuplicateRequestIdError(PdserveError):
     """The client's ``request_id`` names one of its requests that is still running (HTTP 409)."""
 

@@ -117,6 +117,27 @@ def _check_auth(request: web.Request) -> None:
     request.app[_AUTH].check(request.headers.get("Authorization"))
 
 
+def _resume_from(request: web.Request, client_id_given: bool) -> int | None:
+    """A resumed stream's ``Last-Event-ID`` (the ``id:`` of the last event the client got: its
+    token count); None when the header is absent."""
+    raw = request.headers.get("Last-Event-ID")
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or len(raw.strip()) > 9:
+        raise errors.InvalidParameterError(f"Last-Event-ID must be the id of the last event received (a token "
+                                           f"count, a non-negative integer), got {raw[:40]!r}", param="Last-Event-ID")
+    if not client_id_given:
+        raise errors.InvalidParameterError("resuming a stream (Last-Event-ID) needs the X-Request-Id it was started "
+                                           "with", param="X-Request-Id")
+    return int(raw.strip())
+
+
+def _refuse_resume(request: web.Request, what: str) -> None:
+    if request.headers.get("Last-Event-ID") is not None:
+        raise errors.InvalidParameterError(f"Last-Event-ID resumes one stream; it cannot be used with {what}",
+                                           param="Last-Event-ID")
+
+
 def _client_id(request: web.Request, parsed: ParsedRequest, default: str) -> str:
     """The client's own id: the X-Request-Id header or vLLM's ``request_id`` body field (one id if both)."""
     given = request.headers.get("X-Request-Id")
@@ -143,7 +164,10 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     # The client's own id (X-Request-Id) is echoed back; a live duplicate of it is 409.
     client_id = _client_id(request, parsed, rid)
+    resume_from = _resume_from(request, client_id != rid)
     prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
+    if resume_from is not None:
+        prepared = dataclasses.replace(prepared, resume_from=resume_from)
     builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                               logprobs=prepared.params.logprobs, tools=parsed.tools,
                               tokens_as_ids=parsed.tokens_as_ids, prompt_ids=prepared.prompt_token_ids,
@@ -169,16 +193,26 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": client_id})
         await resp.prepare(request)
-        await _send_events(resp, builder, first, events, parsed.include_usage)
+        # event ids only for clients that speak SSE itself (EventSource sends this Accept): a
+        # client that reads "data:" lines alone would take an "id:" line for a broken event
+        ids = "text/event-stream" in request.headers.get("Accept", "")
+        await _send_events(resp, builder, first, events, parsed.include_usage,
+                           first_id=(resume_from or 0) if ids else None)
         return resp
 
 
 async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first: Chunk | Finished,
-                       events: AsyncIterator[Chunk | Finished], include_usage: bool) -> None:
-    """Server-sent events after the headers went out; a failure now becomes an error event."""
+                       events: AsyncIterator[Chunk | Finished], include_usage: bool,
+                       first_id: int | None = None) -> None:
+    """Server-sent events after the headers went out; a failure now becomes an error event.
+    With ``first_id`` (not None), each event's ``id`` is the count of tokens sent so far (from
+    ``first_id`` on a resumed stream): a client whose connection broke sends it back as
+    ``Last-Event-ID``, with its X-Request-Id, to any router of the cluster to get the rest."""
+    sent = [first_id or 0]
 
     async def send(body: dict) -> None:
-        await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+        head = b"data: " if first_id is None else b"id: %d\ndata: " % sent[0]
+        await resp.write(head + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
 
     try:
         for opening in (builder.first_chunk(), builder.echo_chunk()):
@@ -186,6 +220,7 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
                 await send(opening)
         ev = first
         while not isinstance(ev, Finished):
+            sent[0] += len(ev.token_ids)
             await send(builder.chunk(ev))
             ev = await anext(events)
         if ev.error is not None:
@@ -226,6 +261,7 @@ async def _generate_beams(request: web.Request, parsed: list[ParsedRequest], *, 
     """vLLM's ``use_beam_search``: each prompt's ``n`` best beams (``router/beam_search.py``) as its
     choices, ``finish_reason`` ``stop`` for a beam that ended with EOS, else ``length``."""
     serving = request.app[_SERVING]
+    _refuse_resume(request, "beam search")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     client_id = _client_id(request, parsed[0], rid)
     auth = request.app[_AUTH]
@@ -259,6 +295,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
     """Several choices (``router/choices.py``): ``n`` per prompt, several prompts, ``best_of``
     candidates of which the ``n`` most likely (highest sum of token logprobs) are returned."""
     serving = request.app[_SERVING]
+    _refuse_resume(request, "several choices or prompts (n, best_of, echo, a list of prompts)")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     client_id = _client_id(request, parsed[0], rid)
     prepared = [await serving.prepare(p, client_id, default_max_tokens=None if chat else 16) for p in parsed]

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.contract import RequestPhase
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.errors import DeadlineExceededError, PdserveError, WorkerUnavailableError, request_error
+from pdserve.engine.errors import (DeadlineExceededError, InvalidRequestError, PdserveError, WorkerUnavailableError,
+                                   request_error)
 from pdserve.engine.sequence import Priority
 from pdserve.router.backend import Finished, GenerateRequest, ModelInfo, TokenDelta
 
@@ -60,6 +61,10 @@ class LocalEngineBackend:
         return self._info
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
+        if req.resume_from is not None:  # one process: there is no other router to resume on
+            yield Finished("error", error=InvalidRequestError(
+                "resuming a stream (Last-Event-ID) needs a pdserve cluster; this server runs one engine in-process"))
+            return
         queue: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.get_running_loop(), queue, req.deadline)
         added = self._loop.submit(lambda _e: self._add(req, stream), urgent=req.priority is Priority.INTERACTIVE)

@@ -77,6 +77,7 @@ class PreparedRequest:
     params: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     client_id: str = ""  # the client's id: echoed back and logged, never used as a key inside
+    resume_from: int | None = None  # resuming a stream: the tokens the client already has (Last-Event-ID)
 
 
 @dataclass(slots=True)
@@ -227,6 +228,15 @@ class Serving:
         return key
 
 
+def resume_key(scope: str, client_id: str) -> str:
+    """The key a decode worker files a client's stream under, for resuming it through another
+    router: the client's scope and its own id together ("" without an id: not resumable). Two
+    tenants using the same id never reach each other's stream."""
+    if not client_id:
+        return ""
+    return hashlib.sha256(f"{scope}\0{client_id}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
 def client_scope(authorization: str | None) -> str:
     """The scope of a client's request ids: a digest of its credential ("" without one), so that
     tenants with different API keys never see each other's ids; the key itself is not kept."""
@@ -293,7 +303,8 @@ class RequestStream:
             raise
         r = self._req
         self._gen = self._s.backend.generate(
-            GenerateRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, self._deadline, r.client_id))
+            GenerateRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, self._deadline, r.client_id,
+                            resume_key(self._scope, r.client_id), r.resume_from))
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name=f"backend-{r.request_id}")
         self._events_gen = self._events()
         return self._events_gen

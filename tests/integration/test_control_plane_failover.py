@@ -7,6 +7,9 @@ process and follows: it routes to the workers the registry lists. Both stream a 
 completion; A is killed while both streams are under way. Then:
 
 * B's stream completes token-identical to the engine alone (the workers kept serving);
+* the client of A's stream resumes it on B (its X-Request-Id and ``Last-Event-ID``, the id of
+  the last event it got): the rest comes token-identical, and an ended stream is resumed from
+  what its decode worker kept;
 * B takes the control plane over within the lease and adopts the same workers (none
   restarted);
 * the dead router's request is aborted by its decode worker (A stopped taking its outputs) and
@@ -17,12 +20,15 @@ completion; A is killed while both streams are under way. Then:
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,6 +74,35 @@ def stream(base_url: str, model: str, max_tokens: int, progress: list[int]) -> l
     return tokens
 
 
+def sse(base_url: str, model: str, max_tokens: int, request_id: str, tokens: list[int],
+        last_event_id: int | None = None) -> tuple[bool, int | None, str | None]:
+    """Stream as an EventSource does (Accept: text/event-stream, event ids), appending token ids to
+    ``tokens``; returns (whether [DONE] came, the last event id, the finish reason). A broken
+    connection ends it early instead of raising."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "X-Request-Id": request_id}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = str(last_event_id)
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(), headers)
+    last_id, finish = None, None
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("id: "):
+                    last_id = int(line[4:])
+                elif line == "data: [DONE]":
+                    return True, last_id, finish
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    tokens.extend((event.get("pdserve") or {}).get("token_ids", []))
+                    finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
+    except (OSError, http.client.HTTPException):
+        pass
+    return False, last_id, finish
+
+
 def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redis_namespace, tmp_path) -> None:
     config = cluster_config(tiny_model, **{"control_plane.election": True, "control_plane.lease_s": LEASE_S,
                                            "router.worker_dead_after_s": 10.0})
@@ -85,20 +120,34 @@ def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redi
         assert sorted(before.values()) == ["decode", "prefill"], before
 
         # one stream on each router; A dies once both are under way
-        progress_a, progress_b = [0], [0]
+        progress_b, on_a_tokens = [0], []
         with ThreadPoolExecutor(2) as pool:
             on_b = pool.submit(stream, b.http_url, b.model_name, GEN, progress_b)
-            on_a = pool.submit(stream, a["http"], b.model_name, GEN, progress_a)
-            wait_until(lambda: progress_a[0] >= 10 and progress_b[0] >= 10, 60.0, "both streams under way")
+            on_a = pool.submit(sse, a["http"], b.model_name, GEN, "stream-on-a", on_a_tokens)
+            wait_until(lambda: len(on_a_tokens) >= 10 and progress_b[0] >= 10, 60.0, "both streams under way")
             proc.kill()
             killed_at = time.monotonic()
             proc.wait(10)
             assert on_b.result(120) == ref   # the workers served B through the switch
-            try:
-                a_tokens = on_a.result(60)
-            except openai.APIError:
-                a_tokens = None
-            assert a_tokens is None or len(a_tokens) < GEN, "the killed router's stream cannot have completed"
+            done, last_id, _ = on_a.result(60)
+            assert not done and len(on_a_tokens) < GEN, "the killed router's stream cannot have completed"
+            assert last_id == len(on_a_tokens), (last_id, len(on_a_tokens))   # each event's id: tokens so far
+
+        # the client of the dead router resumes its stream on B: the rest, token-identical
+        rest: list[int] = []
+        done, last_id, finish = sse(b.http_url, b.model_name, GEN, "stream-on-a", rest, last_event_id=len(on_a_tokens))
+        assert done and finish == "length" and on_a_tokens + rest == ref, (len(on_a_tokens), len(rest))
+        assert last_id == GEN
+        # a stream that ended is resumed from what its worker kept, without generating again
+        tail: list[int] = []
+        assert sse(b.http_url, b.model_name, GEN, "stream-on-a", tail, last_event_id=GEN - 5)[0]
+        assert tail == ref[-5:]
+        gone = urllib.request.Request(b.http_url + "/v1/completions", json.dumps(
+            {"model": b.model_name, "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode(),
+            {"Content-Type": "application/json", "X-Request-Id": "never-started", "Last-Event-ID": "3"})
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(gone, timeout=30)
+        assert missing.value.code == 404 and b"never-started" in missing.value.read()
 
         wait_until(lambda: b.service.is_leader, 3 * LEASE_S + 10.0, "router B leads the control plane")
         takeover_s = time.monotonic() - killed_at
