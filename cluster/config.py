@@ -316,6 +316,10 @@ class RouterSettings(_Settings):
                                        "and the worker aborts its requests.")
     disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings,
                                                    description="When to prefill on the prefill pool.")
+    replicas: int = Field(1, ge=1, le=16, description="Routers `pdserve up` runs: the head's own and "
+                          "replicas - 1 more, each a Ray actor with its own HTTP and gRPC ports (http_port + i "
+                          "and grpc_port + i, or any free ports when those are 0). More than one needs "
+                          "control_plane.election.")
 
     _resolve_paths = field_validator("tls_cert_file", "tls_key_file")(_absolute)
 
@@ -462,6 +466,9 @@ class ClusterConfig(_Settings):
     def _cross_checks(self) -> ClusterConfig:
         if self.decode.min_replicas < 1:
             raise ValueError("decode.min_replicas: must be >= 1 (decode workers serve every request)")
+        if self.router.replicas > 1 and not self.control_plane.election:
+            raise ValueError("router.replicas: more than one router needs control_plane.election: true (the routers "
+                             "share the workers, and one of them at a time runs the control plane)")
         if self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")

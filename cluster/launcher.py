@@ -160,11 +160,24 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     state: dict = {}
+    router_actors: list = []
     try:
         endpoints = await service.start()
+        if config.router.replicas > 1:
+            from pdserve.cluster.router_actor import start_router_actors
+
+            started = await asyncio.to_thread(start_router_actors, config, redis_url, password,
+                                              detached=not started_ray)
+            router_actors = [actor for actor, _ in started]
+            routers = [{"router_id": service.router_id, "http": endpoints.http_url, "grpc": endpoints.grpc_target}] + [
+                {"router_id": ep["router_id"], "http": ep["http_url"], "grpc": ep["grpc_target"]} for _, ep in started]
+        else:
+            routers = []
         state = {"pid": os.getpid(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
                  "redis_url": redis_url, "ray_address": ray.get_runtime_context().gcs_address,
                  "dashboard": _dashboard_url(), "model": config.model.served_name, "started_at": time.time()}
+        if routers:
+            state["routers"] = routers
         if config.redis.tls_ca_file is not None:
             state["redis_tls_ca_file"] = str(config.redis.tls_ca_file)
         if write_state:
@@ -184,6 +197,10 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         logger.info("stopping: draining in-flight requests")
         await _drain(service)
     finally:
+        if router_actors:
+            from pdserve.cluster.router_actor import stop_router_actors
+
+            await asyncio.to_thread(stop_router_actors, router_actors)
         try:
             if service.redis_client is not None and (service.redis_guard is None or service.redis_guard.up):
                 service.redis_client.delete(STATUS_KEY)
@@ -368,6 +385,8 @@ def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
         st = read_state()
         if st and st.get("pid") == proc.pid and _healthy(st["http"]):
             print(f"pdserve is up: HTTP {st['http']}  gRPC {st['grpc']}  model {st['model']}")
+            for r in st.get("routers", [])[1:]:
+                print(f"  router {r['router_id']}: HTTP {r['http']}  gRPC {r['grpc']}")
             if st.get("dashboard"):
                 print(dashboard_hint(st["dashboard"]))
             return 0
