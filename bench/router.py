@@ -365,9 +365,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: 1)")
     p.add_argument("--profile", action="store_true", help="cProfile the router's event loop at the largest "
                    "concurrency (JSON 'profile'); it slows the router, so keep such runs out of the docs")
+    scale = p.add_argument_group("scale-out (bench/router_scale.py): tokens/s through N routers, synthetic workers")
+    scale.add_argument("--routers", help="router counts to compare, e.g. 1,3 (this mode ignores the options above "
+                       "but --json)")
+    scale.add_argument("--streams", type=int, default=128, help="concurrent streams over the routers (default 128)")
+    scale.add_argument("--seconds", type=float, default=20.0, help="measured seconds per router count (default 20)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.routers:
+        from pdserve.bench import router_scale
+
+        scaled = run_and_save("router", args, router_scale.settings_from_args, router_scale.run_scale,
+                              router_scale.format_scale)
+        return 0 if scaled is not None else 2
     result = run_and_save("router", args, settings_from_args, run_bench, format_table)
     if result is None:
         return 2

@@ -59,13 +59,14 @@ class RouterActor:
 
 
 def start_router_actors(config: ClusterConfig, redis_url: str, redis_password: str | None, *,
-                        detached: bool, timeout_s: float = 600.0) -> list[tuple[object, dict]]:
+                        detached: bool, timeout_s: float = 600.0,
+                        name_prefix: str = ACTOR_PREFIX) -> list[tuple[object, dict]]:
     """Start routers 1 .. replicas-1 and wait until each serves; returns (actor, endpoints) pairs."""
     import ray
 
     actors = []
     for index in range(1, config.router.replicas):
-        options = {"name": f"{ACTOR_PREFIX}{index}", "namespace": config.ray.namespace, "num_cpus": 0,
+        options = {"name": f"{name_prefix}{index}", "namespace": config.ray.namespace, "num_cpus": 0,
                    "max_restarts": 0, "max_concurrency": 8,
                    "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}}
         if detached:
