@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 SCHEMA_DIR = (REPO / ".." / "shared" / "k8s-schemas").resolve()
 OVERLAYS = ("cpu-dev", "production")
-CLUSTER_CONFIG_KEYS = {"model", "prefill", "decode", "router", "redis", "ray", "slo", "planner"}
+CLUSTER_CONFIG_KEYS = {"model", "prefill", "decode", "router", "redis", "ray", "slo", "planner", "control_plane"}
+POOLS = ("prefill", "decode")  # the worker groups whose pods run pdserve's workers (the `router` group runs routers)
 POOL_KEYS = {"min_replicas", "initial_replicas", "max_replicas", "num_cpus", "resources", "engine"}
 ENGINE_KEYS = {"block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens",
                "enable_prefix_caching"}
@@ -62,6 +63,10 @@ def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 def groups(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     spec = one(objs, "RayCluster")["spec"]
     return {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+
+
+def pool_groups(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: g for name, g in groups(objs).items() if name in POOLS}
 
 
 def cluster_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,7 +232,7 @@ def test_kuberay_rules_catch_resources_set_twice_and_bad_bounds(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_worker_groups_expose_the_pool_resources(rendered, overlay):
     by_name = groups(rendered[overlay])
-    assert set(by_name) == {"prefill", "decode"}
+    assert set(by_name) == {"prefill", "decode", "router"}
     for name, group in by_name.items():
         assert group["resources"] == {name: "1"}
         assert group["rayStartParams"] == {}  # Ray CPU/GPU follow the container limits
@@ -315,7 +320,7 @@ def test_every_ray_pod_checks_its_model_before_ray_starts(rendered, overlay):
         assert "pdserve prepare-model -c /etc/pdserve/cluster.yaml" in script, name
         mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
         assert mounts["/etc/pdserve"] == "pdserve-config" and mounts["/models"] == "models", name
-        if name == "head":
+        if name in ("head", "router"):  # routers run no engine: no kernels to build
             continue
         assert "python -m pdserve.engine.kernels.build" in script, name
         kernel_dir = {e["name"]: e.get("value") for e in init["env"]}["PDSERVE_KERNEL_DIR"]
@@ -407,7 +412,7 @@ def test_redis_is_durable(rendered):
 
 
 def test_production_overlay_places_pools_on_their_node_classes(rendered):
-    by_name = groups(rendered["production"])
+    by_name = pool_groups(rendered["production"])
     classes = {}
     for name, group in by_name.items():
         spec = group["template"]["spec"]
@@ -454,7 +459,7 @@ def test_cluster_config_has_the_expected_shape(rendered, overlay):
 def test_cluster_config_fits_the_worker_groups(rendered, overlay):
     objs = rendered[overlay]
     config = cluster_config(objs)
-    for name, group in groups(objs).items():
+    for name, group in pool_groups(objs).items():
         pool = config[name]
         assert group["minReplicas"] == pool["min_replicas"]
         assert group["replicas"] == pool["initial_replicas"]
@@ -463,6 +468,31 @@ def test_cluster_config_fits_the_worker_groups(rendered, overlay):
         assert pool["num_cpus"] <= math.ceil(cpu_quantity(limits["cpu"]))  # KubeRay: Ray CPUs = CPU limit
         for resource, amount in pool["resources"].items():
             assert amount <= float(group["resources"][resource])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_group_serves_beside_the_head_with_an_elected_control_plane(rendered, overlay):
+    """The `router` group's pods run `pdserve router` (the head's sidecar runs `pdserve up`), with
+    the head's probes and secrets; the config elects the control plane (more than one router);
+    the HTTP and gRPC Services select the head's and the router group's pods alike."""
+    objs = rendered[overlay]
+    config = cluster_config(objs)
+    assert config["control_plane"]["election"] is True and config["router"].get("replicas", 1) == 1
+    head = one(objs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    router = groups(objs)["router"]["template"]
+    head_sidecar = next(c for c in head["spec"]["initContainers"] if c["name"] == "pdserve")
+    sidecar = next(c for c in router["spec"]["initContainers"] if c["name"] == "pdserve")
+    assert sidecar["restartPolicy"] == "Always" and "exec pdserve router -c /etc/pdserve/cluster.yaml" in sidecar["args"][0]
+    for key in ("readinessProbe", "livenessProbe", "ports", "env"):
+        assert sidecar[key] == head_sidecar[key], key
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    ray_mounts = {m["mountPath"]: m["name"] for m in router["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/tmp/ray"] == ray_mounts["/tmp/ray"] == "ray-logs"   # it joins this pod's Ray node
+    for name in ("pdserve-http", "pdserve-grpc"):
+        selector = one(objs, "Service", name)["spec"]["selector"]
+        assert "ray.io/node-type" not in selector
+        assert selector.items() <= {**head["metadata"]["labels"], "ray.io/cluster": "pdserve"}.items()
+        assert selector.items() <= {**router["metadata"]["labels"], "ray.io/cluster": "pdserve"}.items()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
