@@ -418,6 +418,10 @@ class PlannerSettings(_Settings):
     scale_down_stable_s: float = Field(30.0, ge=0, description="Seconds utilisation must stay below "
                                        "scale_down_utilization, on every decision, before a pool "
                                        "scales down (a lull between waves of requests is not enough).")
+    drain_by_migration: bool = Field(True, description="Before a decode worker is drained (scale-down), move "
+                                     "its running streams' KV to the other decode workers over NIXL, where they go "
+                                     "on decoding with nothing recomputed; a stream no other worker has room for is "
+                                     "migrated by recompute. false: the drain waits for its streams to end.")
     batch_budget_replicas: int = Field(0, ge=0, description="Replicas the decode pool may run beyond what "
                                        "its interactive load needs, for batch-priority work (the Batch "
                                        "API); 0: batch work waits for spare capacity and never scales a pool.")

@@ -63,4 +63,9 @@ class PinnedPrefillWorker(_Pinned, MeteredPrefillWorker):
 
 
 class PinnedDecodeWorker(_Pinned, MeteredDecodeWorker):
-    pass
+    def _remote(self, actor, method: str, *args, timeout_s: float = 30.0, **kwargs):
+        """Another worker's actor method, awaited (live KV migration calls its target's
+        ``reserve``, ``start`` and ``abort``)."""
+        import ray
+
+        return ray.get(getattr(actor, method).remote(*args, **kwargs), timeout=timeout_s)

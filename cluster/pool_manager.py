@@ -122,6 +122,8 @@ class PoolManager:
         A peer that cannot take the new agent (it died meanwhile) is logged, not fatal."""
         other = "decode" if role == "prefill" else "prefill"
         peers = list(self.pools[other].handles.values())
+        if role == "decode":  # decode workers also move KV to each other (live migration on drain)
+            peers += [h for wid, h in self.pools["decode"].handles.items() if wid != handle.worker_id]
         await asyncio.wait_for(asyncio.gather(*(handle.actor.add_peer.remote(p.metadata) for p in peers)),
                                timeout_s)
         results = await asyncio.wait_for(asyncio.gather(
@@ -177,6 +179,8 @@ class PoolManager:
         self.pool.set_draining(worker_id)
         await self._registry("set_draining", worker_id, True)
         handle = record.handles[worker_id]
+        if role == "decode" and self.config.planner.drain_by_migration:
+            await self._migrate_away(worker_id, handle)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -192,6 +196,21 @@ class PoolManager:
             logger.warning("draining %s: %s", worker_id, exc)
         await self._stop(worker_id)
         return True
+
+    async def _migrate_away(self, worker_id: str, handle: WorkerHandle, timeout_s: float = 300.0) -> None:
+        """Move a draining decode worker's running streams to the other decode workers (their KV
+        over NIXL, decoding goes on there); what cannot move finishes here or is recomputed."""
+        targets = [(wid, h.actor) for wid, h in self.pools["decode"].handles.items()
+                   if wid != worker_id and wid not in self.pools["decode"].draining
+                   and (m := self.pool.members.get(wid)) is not None and m.view.alive]
+        if not targets:
+            return
+        try:
+            report = await asyncio.wait_for(handle.actor.migrate_out.remote(targets), timeout_s)
+            logger.info("drain of %s: %d stream(s) moved with their KV, %d recomputed elsewhere, %d left to finish",
+                        worker_id, report["moved"], report["fallbacks"], report["left"])
+        except Exception as exc:  # the drain still waits for what is left
+            logger.warning("drain of %s: moving its streams failed: %s", worker_id, exc)
 
     def undrain(self, role: str, count: int) -> list[str]:
         """Put up to ``count`` draining workers of ``role`` back into service (the cheapest

@@ -31,6 +31,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Priority
 from pdserve.kv_transfer import KVReceiver, RecvState
+from pdserve.decode_worker.migration import MigrationMixin
 from pdserve.worker.base import WorkerBase
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class _Reservation:
     expires_at: float = 0.0
 
 
-class DecodeWorker(WorkerBase):
+class DecodeWorker(MigrationMixin, WorkerBase):
     role = WorkerRole.DECODE
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, *, transfer_timeout_s: float = 30.0,

@@ -133,7 +133,8 @@ class RequestPhase:
     kv_transfer_s: float = 0.0
     kv_exposed_s: float = 0.0
     attempts: int = 1
-    migrations: int = 0
+    migrations: int = 0        # times its output went on elsewhere by recomputing (prompt + tokens so far)
+    kv_migrations: int = 0     # times its KV moved to another decode worker and decoding went on there
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -263,6 +264,9 @@ class StepOutput:
     num_computed_tokens: int = 0
     # With the request's first token, when it asked for them (SamplingParams.prompt_logprobs).
     prompt_logprobs: PromptLogprobs | None = None
+    # Set on the last output a decode worker sends for a request whose KV it moved to another
+    # decode worker (live migration): that worker's id; the request's next outputs come from it.
+    moved_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,7 @@ class _RequestRecord:
 
     attempts: int = 0
     migrations: int = 0
+    kv_migrations: int = 0          # its KV moved to another decode worker (a drain), decoding went on there
     prefill_worker: str = ""        # of the latest attempt ("" before one is routed)
     decode_worker: str = ""
     prefilled: PrefillResult | None = None   # the prefill worker's result, when it prefilled
@@ -387,6 +388,22 @@ class DisaggBackend:
                     raise DeadlineExceededError("the request did not finish within its deadline")
                 if out is LOST:
                     raise WorkerLost(d, "decode worker lost mid-stream")
+                if out.moved_to:
+                    # the decode worker moved this request's KV to another one (it is draining):
+                    # the stream goes on from there, with no token recomputed
+                    moved = self.pool.members.get(out.moved_to)
+                    d_view.inflight_requests -= 1
+                    d_view.decoding_requests -= decoding
+                    d = out.moved_to
+                    acc.decode_worker = d
+                    acc.kv_migrations += 1
+                    self._active[attempt] = (d, p)
+                    if moved is not None:
+                        d_view = moved.view
+                    d_view.inflight_requests += 1
+                    d_view.decoding_requests += decoding
+                    logger.info("request %s: its KV moved to decode worker %s", req.request_id, d)
+                    continue
                 if out.new_token_ids:
                     if local_tokens:
                         d_view.local_prefill_tokens -= local_tokens
@@ -599,6 +616,6 @@ class DisaggBackend:
             prefill_worker=acc.prefill_worker, decode_worker=acc.decode_worker,
             kv_bytes=pre.kv_bytes if pre else 0, kv_transfer_s=pre.kv_transfer_s if pre else 0.0,
             kv_exposed_s=pre.kv_exposed_s if pre else 0.0,
-            attempts=max(1, acc.attempts), migrations=acc.migrations,
+            attempts=max(1, acc.attempts), migrations=acc.migrations, kv_migrations=acc.kv_migrations,
         )
         return Finished(fin.finish_reason, phase, fin.error)

@@ -450,4 +450,7 @@ class RequestStream:
         phase = item.phase.but(finish_reason=reason, prompt_tokens=len(req.prompt_token_ids), output_tokens=completion)
         self._outcome = item.error.error_type if item.error is not None else reason
         self._finished = Finished(reason, phase, item.error)
+        # The request is over: its id is free before the client can read the last event, so a
+        # client that reuses it at once (a resume, a retry) never meets its own finished request.
+        self._release_id()
         yield self._finished

@@ -64,6 +64,7 @@ class WorkerPool:
         self.members: dict[str, PoolMember] = {}
         self._queues: dict[str, asyncio.Queue] = {}      # attempt id -> stream
         self._attempt_worker: dict[str, str] = {}         # attempt id -> decode worker id
+        self._arrived_early: dict[str, list] = {}          # attempt id -> outputs of its next decode worker
         self._tasks: dict[str, asyncio.Task] = {}
         self._polls: dict[str, asyncio.Task] = {}         # worker id -> its stats poll in flight
         self._monitor: asyncio.Task | None = None
@@ -123,6 +124,7 @@ class WorkerPool:
     def close_stream(self, attempt_id: str) -> None:
         self._queues.pop(attempt_id, None)
         self._attempt_worker.pop(attempt_id, None)
+        self._arrived_early.pop(attempt_id, None)
 
     def _fail_attempts_on(self, worker_id: str) -> None:
         for attempt, wid in list(self._attempt_worker.items()):
@@ -162,8 +164,19 @@ class WorkerPool:
                 continue
             for out in outputs:
                 q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+                if q is None:
+                    continue
+                current = self._attempt_worker.get(out.request_id)
+                if current is not None and current != worker_id:
+                    # a request whose KV is moving here: its old worker's last outputs (and the
+                    # "moved" mark) may still be on their way; these wait for them, in order
+                    self._arrived_early.setdefault(out.request_id, []).append(out)
+                    continue
+                q.put_nowait(out)
+                if out.moved_to:
+                    self._attempt_worker[out.request_id] = out.moved_to
+                    for early in self._arrived_early.pop(out.request_id, []):
+                        q.put_nowait(early)
 
     async def _monitor_loop(self) -> None:
         """Poll every live worker each interval; a worker whose poll is still out is skipped, so
