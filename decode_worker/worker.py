@@ -195,20 +195,25 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                 self._live_streams[request_id] = StreamRecord(list(prompt) + first, len(prompt))
 
     def take_stream(self, resume_key: str) -> StreamRecord | None:
-        """The stream a client resumes through another router: a live one is aborted here (the
-        resuming router continues it from its tokens) and returned with ``finish_reason`` None; an
-        ended one is returned as it ended. Either way it is handed out once. None: no such stream."""
+        """The stream a client resumes through another router. A live one is stopped here (the
+        resuming router continues it by migration) and returned with ``finish_reason`` None; an
+        ended one is returned as it ended, and stays (a client may resume it again) unless it was
+        cut off (it is continued elsewhere now). None: no such stream."""
         def do(engine: LLMEngine) -> StreamRecord | None:
             with self._outbox_cv:
                 self._prune_ended()
-                ended = self._ended_streams.pop(resume_key, None)
-                if ended is not None:
-                    return ended
                 rid = next((r for r, k in self._resume_key_of.items() if k == resume_key), None)
                 if rid is None:
-                    return None
+                    ended = self._ended_streams.get(resume_key)
+                    if ended is None:
+                        return None
+                    if ended.finish_reason in ("abort", "error"):
+                        del self._ended_streams[resume_key]
+                    return StreamRecord(list(ended.token_ids), ended.num_prompt_tokens, ended.finish_reason,
+                                        ended.ended_at)
                 record = self._live_streams.pop(rid)
                 del self._resume_key_of[rid]
+                self._ended_streams.pop(resume_key, None)   # an older, cut-off attempt of the same stream
                 owner = self._owner_of.pop(rid, None)   # its abort output goes nowhere, but
                 if owner is not None:                   # a router still streaming it learns it ended
                     self._outboxes.setdefault(owner, []).append(StepOutput(

@@ -7,13 +7,13 @@ process and follows: it routes to the workers the registry lists. Both stream a 
 completion; A is killed while both streams are under way. Then:
 
 * B's stream completes token-identical to the engine alone (the workers kept serving);
-* the client of A's stream resumes it on B (its X-Request-Id and ``Last-Event-ID``, the id of
-  the last event it got): the rest comes token-identical, and an ended stream is resumed from
-  what its decode worker kept;
+* the client of A's stream resumes it on B at once (its X-Request-Id and ``Last-Event-ID``,
+  the id of the last event it got): the stream, still decoding on its worker, is stopped there
+  and continued by migration, and the rest comes token-identical; once ended, it is resumed
+  (twice) from what its decode worker kept, generating nothing again;
 * B takes the control plane over within the lease and adopts the same workers (none
   restarted);
-* the dead router's request is aborted by its decode worker (A stopped taking its outputs) and
-  its ledger entry is reaped by the new leader: no block and no ledger entry is left;
+* A's ledger entries are reaped by the new leader: no block and no ledger entry is left;
 * the new leader acts: a decode worker killed afterwards is replaced, and requests through B
   still give the engine's tokens.
 """
@@ -75,10 +75,11 @@ def stream(base_url: str, model: str, max_tokens: int, progress: list[int]) -> l
 
 
 def sse(base_url: str, model: str, max_tokens: int, request_id: str, tokens: list[int],
-        last_event_id: int | None = None) -> tuple[bool, int | None, str | None]:
+        last_event_id: int | None = None, phase: dict | None = None) -> tuple[bool, int | None, str | None]:
     """Stream as an EventSource does (Accept: text/event-stream, event ids), appending token ids to
-    ``tokens``; returns (whether [DONE] came, the last event id, the finish reason). A broken
-    connection ends it early instead of raising."""
+    ``tokens`` (and the phase record to ``phase``); returns (whether [DONE] came, the last event id,
+    the finish reason). A broken connection ends it early instead of raising; an HTTP error
+    raises with its body."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "X-Request-Id": request_id}
@@ -97,7 +98,11 @@ def sse(base_url: str, model: str, max_tokens: int, request_id: str, tokens: lis
                 elif line.startswith("data: "):
                     event = json.loads(line[6:])
                     tokens.extend((event.get("pdserve") or {}).get("token_ids", []))
+                    if phase is not None:
+                        phase.update((event.get("pdserve") or {}).get("phase") or {})
                     finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
     except (OSError, http.client.HTTPException):
         pass
     return False, last_id, finish
@@ -128,20 +133,25 @@ def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redi
             proc.kill()
             killed_at = time.monotonic()
             proc.wait(10)
-            assert on_b.result(120) == ref   # the workers served B through the switch
             done, last_id, _ = on_a.result(60)
             assert not done and len(on_a_tokens) < GEN, "the killed router's stream cannot have completed"
             assert last_id == len(on_a_tokens), (last_id, len(on_a_tokens))   # each event's id: tokens so far
-
-        # the client of the dead router resumes its stream on B: the rest, token-identical
-        rest: list[int] = []
-        done, last_id, finish = sse(b.http_url, b.model_name, GEN, "stream-on-a", rest, last_event_id=len(on_a_tokens))
-        assert done and finish == "length" and on_a_tokens + rest == ref, (len(on_a_tokens), len(rest))
-        assert last_id == GEN
-        # a stream that ended is resumed from what its worker kept, without generating again
-        tail: list[int] = []
-        assert sse(b.http_url, b.model_name, GEN, "stream-on-a", tail, last_event_id=GEN - 5)[0]
-        assert tail == ref[-5:]
+            # at once, the client of the dead router resumes its stream on B (still decoding on its
+            # worker: it is stopped there and continued by migration): the rest, token-identical
+            rest: list[int] = []
+            phase: dict = {}
+            done, last_id, finish = sse(b.http_url, b.model_name, GEN, "stream-on-a", rest,
+                                        last_event_id=len(on_a_tokens), phase=phase)
+            assert done and finish == "length" and on_a_tokens + rest == ref, (len(on_a_tokens), len(rest))
+            assert last_id == GEN and phase["migrations"] == 1, phase
+            assert on_b.result(120) == ref   # the workers served B through the switch
+        # a stream that ended is resumed from what its worker kept, without generating again, and
+        # can be resumed more than once
+        for _ in range(2):
+            tail: list[int] = []
+            phase = {}
+            assert sse(b.http_url, b.model_name, GEN, "stream-on-a", tail, last_event_id=GEN - 5, phase=phase)[0]
+            assert tail == ref[-5:] and phase["migrations"] == 0, phase
         gone = urllib.request.Request(b.http_url + "/v1/completions", json.dumps(
             {"model": b.model_name, "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode(),
             {"Content-Type": "application/json", "X-Request-Id": "never-started", "Last-Event-ID": "3"})
