@@ -175,6 +175,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
             parsed = parsed_from_proto(request)
             prepared = await self._serving.prepare(parsed, rid, default_max_tokens=16)
+            if request.HasField("resume_from"):
+                if not request.request_id:
+                    raise errors.InvalidParameterError("resume_from resumes the stream of a request_id: give it",
+                                                       param="request_id")
+                if parsed.best_of > 1 or parsed.echo:
+                    raise errors.InvalidParameterError("resume_from resumes one stream; it cannot be used with "
+                                                       "best_of, n or echo", param="resume_from")
+                prepared = replace(prepared, resume_from=request.resume_from)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             # Ids are scoped per API key; without authentication every client shares one scope.

@@ -152,6 +152,20 @@ def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redi
             phase = {}
             assert sse(b.http_url, b.model_name, GEN, "stream-on-a", tail, last_event_id=GEN - 5, phase=phase)[0]
             assert tail == ref[-5:] and phase["migrations"] == 0, phase
+        # ... and over gRPC (the same scope: no API keys here)
+        import grpc
+        from pdserve.proto import pdserve_pb2 as pb
+        from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(b.grpc_target) as channel:
+            sampling = pb.SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+            replies = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                request_id="stream-on-a", text=PROMPT, sampling=sampling, resume_from=GEN - 3), timeout=60))
+            assert [t for r in replies for t in r.token_ids] == ref[-3:]
+            with pytest.raises(grpc.RpcError) as no_id:
+                list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                    text=PROMPT, sampling=sampling, resume_from=3), timeout=60))
+            assert no_id.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in no_id.value.details()
         gone = urllib.request.Request(b.http_url + "/v1/completions", json.dumps(
             {"model": b.model_name, "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode(),
             {"Content-Type": "application/json", "X-Request-Id": "never-started", "Last-Event-ID": "3"})
