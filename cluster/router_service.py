@@ -12,6 +12,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -255,15 +257,11 @@ class RouterService:
             self.redis_guard.close()
 
     # --------------------------------------------------- elected control plane
-    def _leading(self) -> bool:
-        """Whether this router runs the control plane now (always, unless it is elected)."""
-        return not self.elected or (self.lease is not None and self.lease.leader and self._adopted)
-
     @property
     def is_leader(self) -> bool:
         """This router runs the planner, the pool manager and the reaper now (an elected control
         plane's leader once it adopted the workers; every router whose control plane is not elected)."""
-        return self._leading()
+        return not self.elected or (self.lease is not None and self.lease.leader and self._adopted)
 
     def _lease_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         """Tick the lease every third of it, in a thread of its own: a busy event loop (a worker
@@ -328,13 +326,10 @@ class RouterService:
             await asyncio.sleep(interval_s)
 
     async def _heartbeat(self) -> None:
-        import os
-        import socket
-
         if self.endpoints is None:
             return
         record = RouterRecord(self.router_id, self.endpoints.http_url, self.endpoints.grpc_target,
-                              self._leading(), os.getpid(), socket.gethostname(), time.time())
+                              self.is_leader, os.getpid(), socket.gethostname(), time.time())
         with contextlib.suppress(RedisUnavailableError):
             await self._redis("routers", self.registry.heartbeat, record)
             self._routers = await self._redis("routers", self.registry.routers)
@@ -345,7 +340,7 @@ class RouterService:
         need = {"decode"} | ({"prefill"} if self.config.prefill.min_replicas > 0 else set())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._leading():
+            if self.is_leader:
                 return
             if self._takeover is None or self._takeover.done():  # a leader's start_initial adds to the pool itself
                 with contextlib.suppress(RedisUnavailableError):
@@ -370,7 +365,7 @@ class RouterService:
                 self.pool.add(wid, rec.role, actor)
                 logger.info("router %s routes to %s worker %s", self.router_id, rec.role, wid)
             self.pool.set_draining(wid, rec.draining)
-        if not self._leading():  # the leader's pool manager keeps its own pool up to date
+        if not self.is_leader:  # the leader's pool manager keeps its own pool up to date
             for wid in [w for w in self.pool.members if w not in records]:
                 self.pool.remove(wid)
 
@@ -386,7 +381,7 @@ class RouterService:
 
     # ------------------------------------------------------------ background
     def _on_worker_lost(self, worker_id: str) -> None:
-        if not self._leading():
+        if not self.is_leader:
             return  # the leader reaps and replaces it; the registry then drops it here too
         loop = asyncio.get_running_loop()
         loop.create_task(self._handle_lost(worker_id))
@@ -445,7 +440,7 @@ class RouterService:
                     await self.ledger_writer.resync(live, lease)
                     if self.ledger_writer.needs_resync():
                         continue
-                if not self._leading():
+                if not self.is_leader:
                     continue  # the leader reaps
                 for worker_id in sorted(self._lost_while_down):
                     self._lost_while_down.discard(worker_id)
@@ -471,7 +466,7 @@ class RouterService:
     async def _plan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.planner.interval_s)
-            if not self._leading():
+            if not self.is_leader:
                 continue
             try:
                 decisions = await self.manager.plan_once()
@@ -527,5 +522,5 @@ class RouterService:
     def _control_plane_status(self) -> dict | None:
         if not self.elected:
             return None
-        return {"router_id": self.router_id, "leader": self._leading(), "epoch": self.leader_since_epoch,
+        return {"router_id": self.router_id, "leader": self.is_leader, "epoch": self.leader_since_epoch,
                 "takeovers": self.takeovers, "routers": [dataclasses.asdict(r) for r in self._routers]}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class StreamRecord:
     of the sequence (prompt, then output), and how it ended (None: it had not; "abort": it was
     cut off, e.g. its router died), so the resuming router can send the rest."""
 
-    token_ids: list[int]
+    token_ids: list[int]   # kept as array("l") on the worker (a tenth of a list's memory), a list when sent
     num_prompt_tokens: int
     finish_reason: str | None = None
     ended_at: float = 0.0
@@ -192,7 +193,7 @@ class DecodeWorker(MigrationMixin, WorkerBase):
         if resume_key:
             with self._outbox_cv:
                 self._resume_key_of[request_id] = resume_key
-                self._live_streams[request_id] = StreamRecord(list(prompt) + first, len(prompt))
+                self._live_streams[request_id] = StreamRecord(array("l", prompt + first), len(prompt))
 
     def take_stream(self, resume_key: str) -> StreamRecord | None:
         """The stream a client resumes through another router. A live one is stopped here (the
@@ -209,7 +210,7 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                         return None
                     if ended.finish_reason in ("abort", "error"):
                         del self._ended_streams[resume_key]
-                    return StreamRecord(list(ended.token_ids), ended.num_prompt_tokens, ended.finish_reason,
+                    return StreamRecord(ended.token_ids.tolist(), ended.num_prompt_tokens, ended.finish_reason,
                                         ended.ended_at)
                 record = self._live_streams.pop(rid)
                 del self._resume_key_of[rid]
@@ -225,9 +226,17 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                     self._end_reservation(res, "resumed through another router")
             else:
                 engine.abort(rid)
-            return StreamRecord(record.token_ids, record.num_prompt_tokens, None, time.monotonic())
+            return StreamRecord(record.token_ids.tolist(), record.num_prompt_tokens, None, time.monotonic())
 
         return self._loop.call(do)
+
+    def _end_stream(self, request_id: str, reason: str) -> None:
+        """A tracked stream ended: keep it for resuming under its key (caller holds ``_outbox_cv``)."""
+        stream = self._live_streams.pop(request_id, None)
+        key = self._resume_key_of.pop(request_id, None)
+        if stream is not None and key is not None:
+            stream.finish_reason, stream.ended_at = reason, time.monotonic()
+            self._ended_streams[key] = stream
 
     def _prune_ended(self) -> None:
         horizon = time.monotonic() - self.resume_window_s
@@ -325,11 +334,7 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                 if not res.ending:
                     self._end_reservation(res, "its router is gone")
                 with self._outbox_cv:  # no output will end its stream: end it here (resumable)
-                    stream = self._live_streams.pop(rid, None)
-                    key = self._resume_key_of.pop(rid, None)
-                    if stream is not None and key is not None:
-                        stream.finish_reason, stream.ended_at = "abort", time.monotonic()
-                        self._ended_streams[key] = stream
+                    self._end_stream(rid, "abort")
             else:
                 self.engine.abort(rid)
 
@@ -347,9 +352,7 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                 if stream is not None:
                     stream.token_ids.extend(out.new_token_ids)
                     if out.finished:
-                        del self._live_streams[out.request_id]
-                        stream.finish_reason, stream.ended_at = out.finish_reason or "abort", time.monotonic()
-                        self._ended_streams[self._resume_key_of.pop(out.request_id)] = stream
+                        self._end_stream(out.request_id, out.finish_reason or "abort")
                 owner = (self._owner_of.pop(out.request_id, None) if out.finished
                          else self._owner_of.get(out.request_id))
                 if owner is None:  # its router is gone (the request was aborted for that), or it ended before
@@ -397,12 +400,9 @@ class DecodeWorker(MigrationMixin, WorkerBase):
             while not self._outboxes.get(owner):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._last_take[owner] = time.monotonic()
                     return []
                 self._outbox_cv.wait(left)
-            out = self._outboxes.pop(owner)
-            self._last_take[owner] = time.monotonic()
-        return out
+            return self._outboxes.pop(owner)
 
     def stats(self) -> WorkerStats:
         return self._base_stats(reservations=len(self._reservations), itl_ms=self.recent_itl_ms(),
