@@ -59,7 +59,7 @@ class StreamRecord:
     of the sequence (prompt, then output), and how it ended (None: it had not; "abort": it was
     cut off, e.g. its router died), so the resuming router can send the rest."""
 
-    token_ids: list[int]   # kept as array("l") on the worker (a tenth of a list's memory), a list when sent
+    token_ids: list[int]   # kept as array("l") on the worker (8 bytes a token, not a list's ~36), a list when sent
     num_prompt_tokens: int
     finish_reason: str | None = None
     ended_at: float = 0.0

@@ -263,3 +263,16 @@ def test_a_body_that_never_arrives_gets_408_and_the_connection_closed(server: Se
     reply = parse_reply(data)
     assert_refused(reply, 408, f"within {BODY_TIMEOUT_S:g} s")
     assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 5, took
+
+
+@pytest.mark.parametrize(("headers", "fields", "words"), [
+    ({"Last-Event-ID": "abc", "X-Request-Id": "s1"}, {}, "non-negative integer"),
+    ({"Last-Event-ID": "-3", "X-Request-Id": "s1"}, {}, "non-negative integer"),
+    ({"Last-Event-ID": "9" * 12, "X-Request-Id": "s1"}, {}, "non-negative integer"),
+    ({"Last-Event-ID": "3"}, {}, "X-Request-Id"),
+    ({"Last-Event-ID": "3", "X-Request-Id": "s1"}, {"n": 2}, "cannot be used with"),
+    # a single engine in-process: no other router to resume on
+    ({"Last-Event-ID": "3", "X-Request-Id": "s1"}, {}, "needs a pdserve cluster"),
+])
+def test_a_bad_stream_resume_is_400(server: Server, headers: dict, fields: dict, words: str) -> None:
+    assert_refused(send(server.port, body_with(stream=True, **fields), headers=headers), 400, words)
