@@ -8,7 +8,9 @@ Life of one entry (one placement attempt of one request):
 3. ``transition(LANDED)``: the transfer is confirmed; the prefill side no longer holds blocks.
 4. ``transition(DECODING)``: the request joined the decode batch (also straight from RESERVED
    when the decode worker prefilled locally, with no transfer).
-5. ``transition(FREED)``: the decode side released its blocks. The entry is terminal, leaves the
+5. ``move_decode``: while DECODING, the request's KV moved to another decode worker (live
+   migration on drain): the entry names the new holder and its blocks, in the same state.
+6. ``transition(FREED)``: the decode side released its blocks. The entry is terminal, leaves the
    lease index and is kept ``freed_ttl_s`` seconds for operators, then expires on its own
    (``forget`` deletes it at once).
 
@@ -94,6 +96,7 @@ class LedgerEntry:
     lease_deadline: float
     timestamps: dict[LedgerState, float] = field(default_factory=dict)
     error: str | None = None
+    kv_moves: int = 0  # times its KV moved to another decode worker (``move_decode``)
 
     def holds(self, side: Side) -> bool:
         return self.decode_held if side is Side.DECODE else self.prefill_held
@@ -125,6 +128,7 @@ class LedgerEntry:
             lease_deadline=float(f["deadline"]),
             timestamps={LedgerState(k[2:]): float(v) for k, v in f.items() if k.startswith("t:")},
             error=f["err"] or None,
+            kv_moves=int(f.get("moves", "0")),
         )
 
 
@@ -225,6 +229,20 @@ end
 return {'OK', st, redis.call('HGETALL', KEYS[1])}
 """
 
+# ARGV: rid, new decode worker, its blocks json, held prefix
+_MOVE_DECODE = _PRELUDE + """
+local rid = ARGV[1]
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return {'MISSING'} end
+if st ~= 'DECODING' then return {'INVALID', st} end
+local old = redis.call('HGET', KEYS[1], 'dw')
+redis.call('SREM', ARGV[4] .. old, rid)
+redis.call('HSET', KEYS[1], 'dw', ARGV[2], 'db', ARGV[3], 'dh', '1')
+redis.call('HINCRBY', KEYS[1], 'moves', 1)
+redis.call('SADD', ARGV[4] .. ARGV[2], rid)
+return {'OK', redis.call('HGETALL', KEYS[1])}
+"""
+
 # ARGV: rid, side flag ('dh'|'ph'), worker field ('dw'|'pw'), held prefix
 _MARK_RELEASED = _PRELUDE + """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -275,7 +293,8 @@ class KVLedger:
         self._scripts = {
             name: self.client.register_script(src)
             for name, src in (("reserve", _RESERVE), ("transition", _TRANSITION), ("renew", _RENEW),
-                              ("claim", _CLAIM), ("mark", _MARK_RELEASED))
+                              ("claim", _CLAIM), ("mark", _MARK_RELEASED),
+                              ("move", _MOVE_DECODE))
         }
 
     def _key(self, request_id: str) -> str:
@@ -354,6 +373,17 @@ class KVLedger:
         )
         entry = self._result(request_id, to_state, reply)
         logger.debug("ledger %s -> %s", request_id, to_state.value)
+        return entry
+
+    def move_decode(self, request_id: str, decode_worker_id: str, decode_blocks: list[int]) -> LedgerEntry:
+        """Record that a DECODING request's KV moved to ``decode_worker_id`` (its ``decode_blocks``
+        there): the old holder no longer holds it, the new one does; the state stays DECODING.
+        Raises ``InvalidTransitionError`` from any other state."""
+        _check_id("request_id", request_id)
+        _check_id("decode_worker_id", decode_worker_id)
+        reply = self._run("move", request_id, decode_worker_id, _blocks_json(decode_blocks), self._held_prefix)
+        entry = self._result(request_id, None, reply)
+        logger.debug("ledger %s: KV moved to %s", request_id, decode_worker_id)
         return entry
 
     def renew(self, request_id: str, lease_s: float) -> LedgerEntry:

@@ -3,9 +3,9 @@ keeps the steps an outage dropped, to replay them when Redis is back.
 
 Life of one attempt's steps:
 
-1. ``reserve`` / ``transition`` / ``renew`` run as one ledger script each, on the guard's pool.
+1. ``reserve`` / ``transition`` / ``move`` / ``renew`` run as one ledger script each, on the guard's pool.
    A refused step (``InvalidTransitionError``: the reaper got there first) is logged and done.
-2. While Redis is down (the guard fails at once), a ``reserve`` or ``transition`` is appended
+2. While Redis is down (the guard fails at once), a ``reserve``, ``transition`` or ``move`` is appended
    to the attempt's backlog instead; later steps of that attempt join the backlog too, so the
    order of one attempt's steps is kept. Renewals are not kept (``resync`` renews).
 3. ``resync(live)`` (the router calls it once Redis is back, before the reaper's next pass):
@@ -36,11 +36,13 @@ from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
 logger = logging.getLogger(__name__)
 
 RESERVE = "reserve"
+MOVE = "move"
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerStep:
-    """One ledger write of one attempt: ``reserve`` (args: worker, blocks) or a transition."""
+    """One ledger write of one attempt: ``reserve`` (args: worker, blocks, lease), ``move``
+    (args: worker, blocks) or a transition."""
 
     op: LedgerState | str
     args: tuple = ()
@@ -86,6 +88,9 @@ class LedgerWriter:
                          error: str | None = None, lease_s: float | None = None) -> None:
         fields = {"prefill_worker_id": prefill_worker_id, "error": error, "lease_s": lease_s}
         await self._record(attempt, LedgerStep(LedgerState(to), (), {k: v for k, v in fields.items() if v is not None}))
+
+    async def move(self, attempt: str, worker_id: str, blocks: list[int]) -> None:
+        await self._record(attempt, LedgerStep(MOVE, (worker_id, list(blocks))))
 
     async def renew(self, attempt: str, lease_s: float | None = None) -> None:
         lease = self.lease_s if lease_s is None else lease_s
@@ -151,6 +156,8 @@ class LedgerWriter:
             if step.op == RESERVE:
                 worker_id, blocks, lease_s = step.args
                 await self.guard.call("ledger", self.ledger.reserve, attempt, worker_id, blocks, lease_s)
+            elif step.op == MOVE:
+                await self.guard.call("ledger", self.ledger.move_decode, attempt, *step.args)
             else:
                 await self.guard.call("ledger", self.ledger.transition, attempt, step.op, **step.kwargs)
         except (InvalidTransitionError, EntryNotFoundError) as exc:

@@ -14,8 +14,8 @@ not yet in the KV cache), ``migrate_out``:
    token, first token = the last one, the budgets less what was produced (``prior_output`` keeps
    penalties, seeded draws and grammars going on after it), so the target decodes the very next
    token as this worker would have;
-5. frees its blocks here and sends its router one last output, ``moved_to`` = the target: the
-   router reads the request's next outputs from the target from then on (outputs of the target
+5. frees its blocks here and sends its router one last output, ``moved_to`` = the target (with
+   ``moved_blocks``, its blocks there, which the router records in the ledger): the router reads the request's next outputs from the target from then on (outputs of the target
    that arrive before that mark wait for it, so the stream stays in order).
 
 When no target has room or a step fails, the request ends here with an error the router
@@ -90,7 +90,8 @@ class MigrationMixin:
                     logger.warning("%s: %s could not reserve for %s: %s", self.worker_id, target_id, rid, cause)
                 continue
             try:
-                self._send_blocks(seq, TransferParams.from_bytes(raw))
+                transfer = TransferParams.from_bytes(raw)
+                self._send_blocks(seq, transfer)
                 self._remote(target, "start", rid, prompt, last, params, seq.priority, resume_key=resume_key)
             except Exception as exc:
                 error = f"moving its KV to {target_id} failed: {getattr(exc, 'cause', exc)}"
@@ -100,7 +101,8 @@ class MigrationMixin:
                 except Exception:  # noqa: BLE001 - its reservation expires on its own
                     pass
                 break
-            self._loop.call(lambda e: self._hand_over(e, seq, owner, target_id))
+            blocks = list(transfer.dst_blocks)
+            self._loop.call(lambda e: self._hand_over(e, seq, owner, target_id, blocks))
             self.kv_migrations_out += 1
             return "moved"
         self._loop.call(lambda e: self._give_up(e, seq, owner, error))
@@ -145,13 +147,14 @@ class MigrationMixin:
         finally:
             self._loop.call(lambda _e: sender.close())
 
-    def _hand_over(self, engine, seq, owner: str, target_id: str) -> None:
+    def _hand_over(self, engine, seq, owner: str, target_id: str, blocks: list[int]) -> None:
         engine.block_manager.free(seq)
         with self._outbox_cv:
             self._owner_of.pop(seq.request_id, None)
             self._live_streams.pop(seq.request_id, None)
             self._resume_key_of.pop(seq.request_id, None)
-            self._outboxes.setdefault(owner, []).append(StepOutput(seq.request_id, moved_to=target_id))
+            self._outboxes.setdefault(owner, []).append(StepOutput(seq.request_id, moved_to=target_id,
+                                                                    moved_blocks=blocks))
             self._outbox_cv.notify_all()
 
     def _give_up(self, engine, seq, owner: str, error: str) -> None:

@@ -267,6 +267,7 @@ class StepOutput:
     # Set on the last output a decode worker sends for a request whose KV it moved to another
     # decode worker (live migration): that worker's id; the request's next outputs come from it.
     moved_to: str | None = None
+    moved_blocks: list[int] | None = None   # with ``moved_to``: the blocks it holds there (the ledger's record)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ never a client's string, and attempts are found by the exact request id they wer
    queued tokens), or local prefill on the decode worker (short uncached part, no prefill pool).
 2. ``reserve`` on the decode worker -> ledger RESERVED; ``prefill`` on the prefill worker ->
    ledger TRANSFERRING; the prefill result -> ledger LANDED; ``start`` -> ledger DECODING.
-3. Tokens arrive through the decode worker's output pump; the final one -> ledger FREED.
+3. Tokens arrive through the decode worker's output pump; the final one -> ledger FREED. A
+   draining decode worker may move the request's KV to another one (``moved_to``): the ledger
+   records the new holder (``move``) and the stream reads from it from then on.
 Failures: a prefill worker lost or failing -> a new attempt elsewhere; a decode worker lost
 before the first token -> a new attempt; lost mid-stream -> migration: the prompt plus the
 tokens already sent are prefilled again elsewhere and the stream goes on with no duplicate and
@@ -403,6 +405,8 @@ class DisaggBackend:
                     d_view.inflight_requests += 1
                     d_view.decoding_requests += decoding
                     logger.info("request %s: its KV moved to decode worker %s", req.request_id, d)
+                    if self.ledger is not None:  # the reaper must look for its blocks there now
+                        await self.ledger.move(attempt, d, list(out.moved_blocks or ()))
                     continue
                 if out.new_token_ids:
                     if local_tokens:

@@ -30,5 +30,9 @@ class LedgerSink(Protocol):
                          error: str | None = None, lease_s: float | None = None) -> None:
         """The attempt moved to ``to``; ``prefill_worker_id`` with TRANSFERRING, ``error`` with FAILED."""
 
+    async def move(self, attempt: str, worker_id: str, blocks: list[int]) -> None:
+        """The attempt's KV moved to the decode worker ``worker_id`` (its ``blocks`` there) while
+        DECODING (live migration): that worker holds it from now on."""
+
     async def renew(self, attempt: str, lease_s: float | None = None) -> None:
         """Extend the attempt's lease (a long generation must never look abandoned to the reaper)."""

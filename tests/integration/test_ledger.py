@@ -202,6 +202,24 @@ def test_mark_released_updates_the_worker_index(ledger: KVLedger) -> None:
     assert_nothing_leaked(ledger, "dec-0", "pre-0")
 
 
+def test_a_decoding_entry_moves_to_another_decode_worker(ledger: KVLedger) -> None:
+    drive_to(ledger, "r", S.DECODING)
+    entry = ledger.move_decode("r", "dec-1", [7, 8])
+    assert (entry.state, entry.decode_worker_id, entry.decode_blocks, entry.kv_moves) == (S.DECODING, "dec-1", (7, 8), 1)
+    # the reaper looks for the blocks on the new holder only
+    assert ledger.held_by("dec-0") == [] and [e.request_id for e in ledger.held_by("dec-1")] == ["r"]
+    assert ledger.move_decode("r", "dec-2", [1]).kv_moves == 2
+    ledger.transition("r", S.FREED)
+    assert_nothing_leaked(ledger, "dec-0", "dec-1", "dec-2", "pre-0")
+    # only a DECODING entry moves; a missing one is not found
+    drive_to(ledger, "q", S.LANDED)
+    with pytest.raises(InvalidTransitionError, match="cannot move from LANDED"):
+        ledger.move_decode("q", "dec-1", [1])
+    assert ledger.get("q").decode_worker_id == "dec-0"
+    with pytest.raises(EntryNotFoundError):
+        ledger.move_decode("nope", "dec-1", [1])
+
+
 def test_ledger_survives_a_redis_restart_mid_run(tmp_path) -> None:
     server = EmbeddedRedis(password="s3cret", data_dir=tmp_path / "redis").start()
     client = connect(server.url)
@@ -331,6 +349,10 @@ def test_the_routers_handoff_steps_land_in_the_ledger(redis_client, redis_namesp
             await writer.transition("req#1", step, **extra)
             e = ledger.get("req#1")
             seen.append((e.state, e.prefill_worker_id, e.prefill_held))
+            if step is S.DECODING:  # a live KV migration to another decode worker
+                await writer.move("req#1", "dec-1", [9])
+                e = ledger.get("req#1")
+                seen.append((e.state, e.decode_worker_id, e.decode_blocks))
         return seen
 
     try:
@@ -339,5 +361,5 @@ def test_the_routers_handoff_steps_land_in_the_ledger(redis_client, redis_namesp
     finally:
         guard.close()
     assert seen == [(S.TRANSFERRING, "pre-0", True), (S.LANDED, "pre-0", False),
-                    (S.DECODING, "pre-0", False), (S.FREED, "pre-0", False)]
+                    (S.DECODING, "pre-0", False), (S.DECODING, "dec-1", (9,)), (S.FREED, "pre-0", False)]
     assert not [r for r in caplog.records if "skipped" in r.message or "failed" in r.message]
