@@ -8,7 +8,8 @@ What it models, as pdserve runs (``docs/capacity.md`` says what it leaves out):
   uncached part is at most ``local_prefill_max_tokens`` is prefilled on its decode worker.
 * Engine steps: a worker with prompt tokens queued runs one step at a time, taking up to
   ``max_num_batched_tokens`` (less its decoding sequences, and on a disaggregated decode worker
-  less than the ITL budget allows) of them, chunking a long prompt across steps; the step costs
+  less than the ITL budget allows) of them, chunking a long prompt across steps (a prefill
+  worker adds another prompt only under ``prefill_pack_tokens``); the step costs
   the profile's mixed step. A prompt's first token comes at the end of the step that finished it.
 * The KV handoff: the decode worker receives the request ``transfer_s(prompt KV bytes)`` after the
   first token and admits it at its next step boundary.
@@ -75,6 +76,9 @@ class ClusterShape:
     max_num_batched_tokens: int | None = None    # default: the profile's
     local_prefill_max_tokens: int = 64           # conditional mode
     itl_target_s: float | None = 0.1             # decode workers' ITL budget for local prefills
+    # prefill workers add another prompt to a step only under this many prompt tokens (the engine's
+    # prefill_pack_tokens; 'auto' gives 256 there); None: up to the step budget
+    prefill_pack_tokens: int | None = 256
     # prefill worker i and decode worker i share one host: their steps slow each other down by the
     # profile's co-run factors (``Profile.corun``), as a disaggregated pair on one machine does
     shared_host: bool = False
@@ -313,6 +317,8 @@ class Simulator:
                     budget = min(budget, cap)
                 chunks = []
                 slots = max_seqs - w.b
+                pack = self.shape.prefill_pack_tokens if w.role == "prefill" else None
+                taken = 0
                 for item in w.pq:
                     if budget <= 0 or slots <= 0:
                         break
@@ -328,6 +334,9 @@ class Simulator:
                     done_before = pl[r] - left
                     chunks.append((item, k, k == left, done_before))
                     budget -= k
+                    taken += k
+                    if pack is not None:
+                        budget = min(budget, pack - taken)
                     slots -= 1
                 eng = pe if w.role == "prefill" else de
                 if chunks:

@@ -32,6 +32,9 @@ from pdserve.engine.errors import InvalidRequestError
 KIB = 1024
 MIB = 1024 * KIB
 _RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+# prefill_pack_tokens 'auto' on prefill workers: the rows at which this project's CPU matmuls reach
+# their speed (the MKL pack is made for 256 rows, docs/benchmarks.md "Matmul backends")
+AUTO_PREFILL_PACK_TOKENS = 256
 
 
 class _Settings(BaseModel):
@@ -120,6 +123,14 @@ class EngineSettings(_Settings):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens processed in one engine "
                                         "step (prefill chunks + decode tokens); with chunked prefill off "
                                         "it must be at least the model length.")
+    prefill_pack_tokens: int | Literal["auto"] | None = Field(
+        "auto", description="A step adds a second (third, ...) prompt only while its prompt tokens are "
+        "under this many; its first prompt chunk may still use all of max_num_batched_tokens. Under a "
+        "burst of short prompts they then finish one or two a step, so first tokens come out (and their "
+        "decoding starts) one after another instead of all at the end of one long step. 'auto': "
+        f"{AUTO_PREFILL_PACK_TOKENS} on prefill workers (the rows at which a CPU's matmuls reach their "
+        "speed), no cap on decode workers (their steps carry decodes, and the colocated mode measured "
+        "slower with it); null: pack prompts up to max_num_batched_tokens.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     scheduling_policy: Literal["continuous", "static"] = Field(
         "continuous", description="'continuous': iteration-level batching (a finished sequence's slot "
@@ -149,6 +160,13 @@ class EngineSettings(_Settings):
                           "tokens and one decode step of max_num_seqs sequences on scratch KV blocks (zeroed "
                           "after), so the first burst does not pay for planning those shapes (~1 s at start "
                           "for the small model on 2 cores).")
+
+    @field_validator("prefill_pack_tokens")
+    @classmethod
+    def _pack(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"must be >= 1, 'auto' or null, got {value}")
+        return value
 
     @field_validator("block_size")
     @classmethod
@@ -242,7 +260,9 @@ class PoolSettings(_Settings):
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
             attention_backend=e.attention_backend, linear_backend=e.linear_backend,
-            policy=SchedulingPolicy(e.scheduling_policy), warm_up=e.warm_up)
+            policy=SchedulingPolicy(e.scheduling_policy), warm_up=e.warm_up,
+            prefill_pack_tokens=(AUTO_PREFILL_PACK_TOKENS if mode is EngineMode.PREFILL else None)
+            if e.prefill_pack_tokens == "auto" else e.prefill_pack_tokens)
 
 
 class DisaggregationSettings(_Settings):

@@ -24,8 +24,13 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
+    # A step takes a second (third, ...) prompt only while its prompt tokens are under this many;
+    # the first prompt chunk of a step may still use the whole budget. None: pack up to the budget.
+    prefill_pack_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_pack_tokens is not None and self.prefill_pack_tokens < 1:
+            raise ValueError(f"prefill_pack_tokens must be >= 1, got {self.prefill_pack_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -66,6 +71,9 @@ class EngineConfig:
     # prompt tokens that fit in this target beside them (measured decode step time and prefill
     # rate); None: no cap beyond max_num_batched_tokens. Needs chunked prefill.
     itl_target_ms: float | None = None
+    # See SchedulerConfig.prefill_pack_tokens (a burst of short prompts finishes one or two at a
+    # time instead of all together at the end of one long step).
+    prefill_pack_tokens: int | None = None
     # Run one full prefill step and one full decode step on scratch blocks at start (see
     # ModelRunner.warm_up), so the first requests do not pay for planning those shapes.
     warm_up: bool = False

@@ -140,6 +140,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.policy,
+                prefill_pack_tokens=config.prefill_pack_tokens,
             ),
             self.block_manager,
         )

@@ -13,6 +13,12 @@ Each :meth:`Scheduler.schedule` call builds one step's batch within ``max_num_ba
    budget and the free blocks allow, and no preemption happened this step (so a victim is not
    readmitted at once). Without chunked prefill a prompt is admitted only if it fits whole.
 
+With ``prefill_pack_tokens`` set, steps 2 and 3 give a step's first prompt chunk the whole budget
+but add another prompt only while the step's prompt tokens are under that many: a burst of short
+prompts then finishes a prompt or two per step, so first tokens come out one after another (and
+their decoding starts) instead of all at the end of one long step; a long prompt still runs in
+chunks as large as the budget.
+
 While interactive sequences decode, batch prompts never share their steps: a step that decodes
 interactive streams carries at most a few batch decodes and no batch prompt tokens, and the step
 after it, when a batch prompt or a batch decode was left out, is a *batch turn* of batch work
@@ -101,6 +107,7 @@ class Scheduler:
         self._batch_turn_due = False
         self._batch_decodes_deferred = False
         self.num_batch_turns = 0
+        self._step_prompt_tokens = 0  # prompt tokens of the step being scheduled
 
     # ------------------------------------------------------------------ queues
     @property
@@ -172,6 +179,7 @@ class Scheduler:
         decoding streams' step stays short (a decode worker's ITL budget); None: no extra cap."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._step_prompt_tokens = 0
         scheduled: set[str] = set()
         yielded = self._yield_to_interactive(out)
         was_running = bool(self._running)
@@ -217,8 +225,6 @@ class Scheduler:
         out.num_decode_tokens = self.config.max_num_batched_tokens - budget
         if prefill_budget is not None and out.num_decode_tokens:
             budget = min(budget, max(0, prefill_budget))
-        # Prefill tokens are counted from here: budget_left - budget at the end.
-        prefill_from = budget
 
         # 2) running sequences still prefilling.
         for seq in order:
@@ -235,7 +241,8 @@ class Scheduler:
             if room == 0:
                 continue
             n = self._emit(out, seq, min(remaining, room), scheduled)
-            budget -= n
+            self._step_prompt_tokens += n
+            budget = self._packed(budget - n)
             if seq.priority is Priority.BATCH:
                 batch_prefill -= n
 
@@ -245,7 +252,7 @@ class Scheduler:
             budget = self._admit(out, budget, scheduled, ignore_budget=static,
                                  batch_too=not yielded and not pause_batch and not interactive_turn,
                                  batch_prefill=batch_prefill)
-        out.num_prefill_tokens = max(0, prefill_from - budget)
+        out.num_prefill_tokens = self._step_prompt_tokens
         out.num_batched_tokens = out.num_decode_tokens + out.num_prefill_tokens
         return out
 
@@ -297,7 +304,16 @@ class Scheduler:
                 n = 0  # static baseline: prefilled whole in a later step
             if n > 0:
                 budget -= self._emit(out, seq, n, scheduled)
+                self._step_prompt_tokens += n
+                if not ignore_budget:
+                    budget = self._packed(budget)
         return budget, bool(queue)
+
+    def _packed(self, budget: int) -> int:
+        """The budget left for more prompts, now that this step holds ``_step_prompt_tokens``
+        prompt tokens (``prefill_pack_tokens``; module docstring)."""
+        pack = self.config.prefill_pack_tokens
+        return budget if pack is None else min(budget, max(0, pack - self._step_prompt_tokens))
 
 
     def _yield_to_interactive(self, out: SchedulerOutput) -> int:

@@ -61,6 +61,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS,
+    prefill_pack_tokens: int | None = None,
 ) -> Scheduler:
     """A scheduler over a fresh block manager (reachable as ``scheduler.block_manager``)."""
     config = SchedulerConfig(
@@ -69,6 +70,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        prefill_pack_tokens=prefill_pack_tokens,
     )
     return Scheduler(config, make_block_manager(num_blocks, block_size, enable_prefix_caching))
 

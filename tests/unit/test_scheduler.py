@@ -359,10 +359,12 @@ def test_static_policy_admits_a_new_batch_only_when_the_running_set_is_empty():
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("policy", list(SchedulingPolicy))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_lifecycles_finish_everything_and_free_every_block(seed, policy, chunked):
+@pytest.mark.parametrize("pack", [None, 6])
+def test_random_lifecycles_finish_everything_and_free_every_block(seed, policy, chunked, pack):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                           max_model_len=32, enable_chunked_prefill=chunked, policy=policy)
+                           max_model_len=32, enable_chunked_prefill=chunked, policy=policy,
+                           prefill_pack_tokens=pack)
     shared = [rng.randrange(1, 1000) for _ in range(12)]
     seqs, held = [], []
     for i in range(40):
@@ -482,6 +484,48 @@ def test_without_a_prefill_budget_a_prompt_takes_the_whole_step_budget():
     sched.add(long)
     out, _ = fake_step(sched)
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 50
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
+
+
+def test_a_pack_cap_finishes_a_burst_of_short_prompts_a_few_at_a_time():
+    """With prefill_pack_tokens, a burst of 8-token prompts is prefilled two a step (first tokens
+    come out every step, FCFS), where without it one step takes them all."""
+    burst = [make_seq(f"p{i}", prompt_len=8, max_tokens=3) for i in range(6)]
+    unpacked = make_scheduler(max_num_batched_tokens=64, num_blocks=128)
+    for s in [make_seq(f"p{i}", prompt_len=8, max_tokens=3) for i in range(6)]:
+        unpacked.add(s)
+    out, _ = fake_step(unpacked)
+    assert out.num_prefill_tokens == 48
+    sched = make_scheduler(max_num_batched_tokens=64, num_blocks=128, prefill_pack_tokens=16)
+    for s in burst:
+        sched.add(s)
+    firsts = []
+    for _ in range(3):
+        out, _ = fake_step(sched)
+        firsts.append([s.request_id for s in burst if s.output_token_ids and s.request_id not in sum(firsts, [])])
+        assert out.num_prefill_tokens == 16
+    assert firsts == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
+    run_until_done(sched)
+    assert_nothing_leaked(sched)
+
+
+def test_a_pack_cap_leaves_a_long_prompt_its_whole_budget_and_tops_a_step_up_to_the_cap():
+    sched = make_scheduler(max_num_batched_tokens=64, num_blocks=128, prefill_pack_tokens=16)
+    long, short, tail = make_seq("long", prompt_len=50), make_seq("short", prompt_len=8), make_seq("tail", prompt_len=8)
+    for s in (long, short, tail):
+        sched.add(s)
+    out, _ = fake_step(sched)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("long", 50)]  # alone: over the cap
+    out, _ = fake_step(sched)   # long decodes; short (8) and then 8 of tail fit under the cap of 16
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("long", 1), ("short", 8), ("tail", 8)]
+    head = make_seq("head", prompt_len=12)
+    sched.add(head)
+    more = make_seq("more", prompt_len=12)
+    sched.add(more)
+    out, _ = fake_step(sched)   # a 12-token prompt, then 4 tokens of the next (a chunk) reach the cap
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks if c.seq.in_prefill or c.num_tokens > 1] == \
+        [("head", 12), ("more", 4)]
     run_until_done(sched)
     assert_nothing_leaked(sched)
 
