@@ -13,7 +13,10 @@ re-issued when it ends (closed loop), and counts the token events it receives ov
 tokens/s through 1 (aim >= 2.5 on a host with a core per router).
 
 On a host with fewer cores than routers + client + workers, the routers share cores and the
-ratio is bounded by the cores, not by the routers: the result names the host's CPU count.
+ratio is bounded by the cores, not by the routers: the result names the host's CPU count, and each
+level reports where the host's CPU went over the measured window (``cpu``: seconds of the routers,
+the workers, the client and the rest of the host, read from ``/proc`` every 0.25 s; the host's busy
+share of its cores; the routers' CPU milliseconds per token).
 """
 
 from __future__ import annotations
@@ -26,9 +29,76 @@ import os
 import socket
 import sys
 import time
+import threading
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (``/proc/PID/stat``); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime (fields 14 and 15)
+
+
+def host_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        values = [int(x) for x in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)   # idle + iowait
+    total = sum(values[:8])                                    # guest time is inside user already
+    return (total - idle) / _TICK, total / _TICK
+
+
+class CpuSampler:
+    """Samples named processes' CPU time and the host's, every ``period_s``, in a thread."""
+
+    def __init__(self, pids: dict[str, list[int]], period_s: float = 0.25) -> None:
+        self.pids = pids
+        self.period_s = period_s
+        self.samples: list[tuple[float, dict[str, float], float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self.sample()   # a sample from before anything measured starts
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.period_s):
+                self.sample()
+                return
+
+    def sample(self) -> None:
+        groups = {name: sum(process_cpu_s(pid) or 0.0 for pid in pids) for name, pids in self.pids.items()}
+        busy, total = host_cpu_s()
+        self.samples.append((time.time(), groups, busy, total))
+
+    def window(self, t0: float, t1: float) -> dict:
+        """CPU seconds per group and the host's over [t0, t1] (the samples nearest outside it)."""
+        before = [s for s in self.samples if s[0] <= t0] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= t1] or self.samples[-1:]
+        a, b = before[-1], after[0]
+        span = max(1e-9, b[0] - a[0])
+        out = {name: b[1][name] - a[1][name] for name in self.pids}
+        out["host_busy"] = b[2] - a[2]
+        out["host_busy_frac"] = (b[2] - a[2]) / max(1e-9, b[3] - a[3])
+        out["rest_of_host"] = max(0.0, out["host_busy"] - sum(out[name] for name in self.pids))
+        out["span_s"] = span
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +162,13 @@ async def _client(spec: dict) -> dict:
         tasks = [asyncio.create_task(stream_loop(i, session)) for i in range(spec["streams"])]
         await asyncio.sleep(spec["warmup_s"])
         measuring["on"] = True
-        t0 = time.monotonic()
+        t0, clock0 = time.monotonic(), time.time()
         await asyncio.sleep(spec["seconds"])
         measuring["on"] = False
-        wall = time.monotonic() - t0
+        wall, clock1 = time.monotonic() - t0, time.time()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"events": counts["events"], "requests": counts["requests"], "errors": counts["errors"], "wall_s": wall}
+    return {"events": counts["events"], "requests": counts["requests"], "errors": counts["errors"], "wall_s": wall,
+            "window": (clock0, clock1)}
 
 
 def run_scale(st: ScaleSettings) -> dict:
@@ -142,6 +213,8 @@ def run_scale(st: ScaleSettings) -> dict:
                 workers.append(actor)
                 ray.get(actor.metadata.remote(), timeout=60)
                 registry.add(WorkerRecord(wid, "decode", f"pdserve-decode-{wid}", namespace))
+            worker_pids = [ray.get(actor.stats.remote(), timeout=60).pid for actor in workers]
+            client_pid = pool.submit(os.getpid).result(60)
             for n in st.routers:
                 config = apply_overrides(base, {"router.replicas": n + 1})  # router i = 1..n on free ports
                 routers = start_router_actors(config, redis_server.address_url, password, detached=False,
@@ -150,14 +223,21 @@ def run_scale(st: ScaleSettings) -> dict:
                     spec = {"urls": [ep["http_url"] for _, ep in routers], "model": config.model.served_name,
                             "streams": st.streams, "seconds": st.seconds, "warmup_s": st.warmup_s,
                             "max_tokens": st.max_tokens}
-                    out = pool.submit(client_process, spec).result(st.seconds + st.warmup_s + 180)
+                    pids = {"routers": [ep["pid"] for _, ep in routers], "workers": worker_pids,
+                            "client": [client_pid], "bench_driver": [os.getpid()]}
+                    with CpuSampler(pids) as sampler:
+                        out = pool.submit(client_process, spec).result(st.seconds + st.warmup_s + 180)
                 finally:
                     stop_router_actors([actor for actor, _ in routers])
                 tokens = max(0, out["events"] - 2 * out["requests"])  # each stream's role and closing events
+                cpu = sampler.window(*out["window"])
                 row = {"routers": n, "tokens_per_s": tokens / out["wall_s"], "events": out["events"],
                        "requests": out["requests"], "errors": out["errors"], "client_cpu_s": out["client_cpu_s"],
-                       "wall_s": out["wall_s"]}
-                logger.info("%d router(s): %.0f tokens/s", n, row["tokens_per_s"])
+                       "wall_s": out["wall_s"], "cpu": cpu,
+                       "router_cpu_ms_per_token": 1000 * cpu["routers"] / max(1, tokens),
+                       "router_cores": cpu["routers"] / cpu["span_s"]}
+                logger.info("%d router(s): %.0f tokens/s, routers %.2f cores, host %.0f%% busy", n,
+                            row["tokens_per_s"], row["router_cores"], 100 * cpu["host_busy_frac"])
                 levels.append(row)
     finally:
         for actor in workers:
@@ -180,10 +260,18 @@ def run_scale(st: ScaleSettings) -> dict:
 
 def format_scale(r: dict) -> str:
     lines = [f"host: {r['host']['cpu']} ({r['host']['cpu_count']} CPUs)",
-             f"{'routers':>7s} {'tokens/s':>9s} {'requests':>8s} {'errors':>6s} {'client CPU s':>12s}"]
+             f"{'routers':>7s} {'tokens/s':>9s} {'requests':>8s} {'errors':>6s} {'client CPU s':>12s} "
+             f"{'router cores':>12s} {'router ms/token':>15s} {'host busy':>9s} "
+             f"{'CPU s: routers/workers/client/rest':>35s}"]
     for row in r["levels"]:
-        lines.append(f"{row['routers']:7d} {row['tokens_per_s']:9.0f} {row['requests']:8d} {row['errors']:6d} "
-                     f"{row['client_cpu_s']:12.1f}")
+        line = (f"{row['routers']:7d} {row['tokens_per_s']:9.0f} {row['requests']:8d} {row['errors']:6d} "
+                f"{row['client_cpu_s']:12.1f}")
+        if "cpu" in row:
+            c = row["cpu"]
+            line += (f" {row['router_cores']:12.2f} {row['router_cpu_ms_per_token']:15.3f} "
+                     f"{100 * c['host_busy_frac']:8.0f}% "
+                     f"{c['routers']:>10.1f}/{c['workers']:.1f}/{c['client']:.1f}/{c['rest_of_host']:.1f}")
+        lines.append(line)
     if "routers_3_over_1" in r:
         lines.append(f"routers_3_over_1 = {r['routers_3_over_1']:.2f} (aim >= 2.5 with a core per router)")
     return "\n".join(lines)

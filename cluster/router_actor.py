@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.config_io import apply_overrides
@@ -46,7 +47,7 @@ class RouterActor:
         self.service = RouterService(self.config, redis_url=self.redis_url, namespace=self.namespace,
                                      redis_password=self.redis_password)
         endpoints = await self.service.start()
-        return {"router_id": self.service.router_id, **dataclasses.asdict(endpoints)}
+        return {"router_id": self.service.router_id, "pid": os.getpid(), **dataclasses.asdict(endpoints)}
 
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop taking requests, let this router's streams finish (bounded), leave the cluster."""

@@ -41,3 +41,32 @@ def test_router_scale_settings_and_table() -> None:
     text = format_scale({"host": {"cpu": "cpu", "cpu_count": 2}, "routers_3_over_1": 1.26, "levels": [
         {"routers": 1, "tokens_per_s": 5793.0, "requests": 975, "errors": 0, "client_cpu_s": 4.3}]})
     assert "5793" in text and "routers_3_over_1 = 1.26" in text
+
+
+def test_router_scale_reads_where_the_cpu_went() -> None:
+    """The CPU accounting of ``bench router --routers``: this process's own CPU time from /proc
+    grows while it spins, and a window takes the samples around it."""
+    import os
+    import time
+
+    from pdserve.bench.router_scale import CpuSampler, host_cpu_s, process_cpu_s
+
+    assert process_cpu_s(2**22 + 12345) is None          # no such process
+    busy, total = host_cpu_s()
+    assert 0 < busy <= total
+    with CpuSampler({"me": [os.getpid()]}, period_s=0.05) as sampler:
+        t0 = time.time()
+        while time.time() - t0 < 0.3:
+            pass                                          # ~0.3 s of this thread's CPU
+        t1 = time.time()
+        time.sleep(0.1)
+    cpu = sampler.window(t0, t1)
+    assert 0.15 <= cpu["me"] <= 0.3 + 2 * 0.05 + 0.05, cpu
+    assert 0 < cpu["host_busy_frac"] <= 1 and cpu["span_s"] >= t1 - t0
+    text_row = {"routers": 1, "tokens_per_s": 10.0, "requests": 1, "errors": 0, "client_cpu_s": 0.1, "cpu": {
+        "routers": 1.0, "workers": 0.5, "client": 0.4, "rest_of_host": 0.1, "host_busy_frac": 0.97},
+        "router_cores": 0.95, "router_cpu_ms_per_token": 0.2}
+    from pdserve.bench.router_scale import format_scale
+
+    text = format_scale({"host": {"cpu": "cpu", "cpu_count": 2}, "levels": [text_row]})
+    assert "0.95" in text and "97%" in text and "1.0/0.5/0.4/0.1" in text
