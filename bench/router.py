@@ -216,7 +216,8 @@ def _watch_decode_phases(backend) -> dict[str, dict]:
     finish = backend._finish
 
     def finish_and_keep(fin, req, emitted, started, first_token_at, acc):
-        seen[req.request_id] = acc.decode_phase.to_dict() if acc.decode_phase is not None else {}
+        # keyed by the id the client sees (X-Request-Id / the gRPC request_id), not the server's own
+        seen[req.client_id] = acc.decode_phase.to_dict() if acc.decode_phase is not None else {}
         return finish(fin, req, emitted, started, first_token_at, acc)
 
     backend._finish = finish_and_keep
