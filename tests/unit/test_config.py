@@ -278,6 +278,19 @@ def test_scheduling_policy_reaches_the_engine(tmp_path: Path) -> None:
         apply_overrides(config_from_model(_model_dir(tmp_path), environ=NO_ENV), {"decode.engine.scheduling_policy": "fifo"})
 
 
+def test_prefill_pack_tokens_reaches_each_pools_engine(tmp_path: Path) -> None:
+    base = config_from_model(_model_dir(tmp_path), environ=NO_ENV)
+    # 'auto': prefill workers pack up to 256 prompt tokens a step, decode workers do not cap
+    assert base.worker_engine_config("prefill").prefill_pack_tokens == 256
+    assert base.worker_engine_config("decode").prefill_pack_tokens is None
+    cfg = apply_overrides(base, {"prefill.engine.prefill_pack_tokens": None, "decode.engine.prefill_pack_tokens": 512})
+    assert cfg.worker_engine_config("prefill").prefill_pack_tokens is None
+    assert cfg.worker_engine_config("decode").prefill_pack_tokens == 512
+    for bad in (0, "some"):
+        with pytest.raises(ConfigError, match="prefill_pack_tokens"):
+            apply_overrides(base, {"prefill.engine.prefill_pack_tokens": bad})
+
+
 def test_every_config_field_is_read_somewhere() -> None:
     """Documented config does what it says: each field of every section is read (as ``.name``)
     in the code outside the tests; a field nothing reads would be silently ignored."""
