@@ -20,10 +20,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
 from pdserve.engine.errors import EngineStepError, InvalidRequestError, OutOfBlocksError, SamplingError
 from pdserve.engine.model_runner import ForwardItem, ModelRunner, StepInterrupted
+from pdserve.engine.omp_pool import on_fresh_thread
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -115,7 +118,9 @@ def _set_scoring(item: ForwardItem, seq: Sequence) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
-        self.runner = runner or ModelRunner(
+        # Built (and warmed up, below) on a thread that exits: no OpenMP pool outlives it to slow
+        # the steps of whichever thread runs them (engine/omp_pool.py).
+        self.runner = runner or on_fresh_thread(lambda: ModelRunner(
             config.model_dir,
             dtype=config.dtype,
             device=config.device,
@@ -125,7 +130,9 @@ class LLMEngine:
             num_threads=config.num_threads,
             linear_backend=config.linear_backend,
             attention_backend=config.attention_backend,
-        )
+        ))
+        if config.num_threads is not None:  # this thread may step the engine too; torch's count is per thread
+            torch.set_num_threads(config.num_threads)
         if config.dtype != self.runner.dtype_name:  # "auto" resolved: the KV layout needs the real one
             self.config = config = replace(config, dtype=self.runner.dtype_name)
         self.spec = self.runner.spec
@@ -166,8 +173,8 @@ class LLMEngine:
             if config.itl_target_ms is not None and config.enable_chunked_prefill else None
         self._max_prefill_with_decodes = 0
         if config.warm_up:
-            self.runner.warm_up(self.scheduler.config.max_num_batched_tokens, config.max_num_seqs,
-                                self.max_model_len)
+            on_fresh_thread(lambda: self.runner.warm_up(self.scheduler.config.max_num_batched_tokens,
+                                                        config.max_num_seqs, self.max_model_len))
 
     # ------------------------------------------------------------------ requests
     def add_request(
