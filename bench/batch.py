@@ -139,20 +139,22 @@ class Bench:
             engine_beside: list[float] = []
             for r in range(self.args.rounds):
                 mark = len(self.engine_ttfts)
-                alone += await self._interactive()
+                round_alone = await self._interactive()
+                alone += round_alone
                 engine_alone += self._engine_side(mark)
                 bid = self._submit(self.args.batch_items)
                 while runner.running < runner.max_concurrent:
                     await asyncio.sleep(0.05)
                 t_load = time.monotonic()
                 mark = len(self.engine_ttfts)
-                beside += await self._interactive()
+                round_beside = await self._interactive()
+                beside += round_beside
                 engine_beside += self._engine_side(mark)
                 beside_s += time.monotonic() - t_load
                 await asyncio.to_thread(self.store.update_batch, bid, {"status": "cancelling"})
                 beside_done += (await self._wait(bid, ("cancelled",)))["request_counts"]["completed"]
-                print(f"  round {r + 1}: ttft p99 alone {_pct(alone, 0.99):.3f} s, beside a batch "
-                      f"{_pct(beside, 0.99):.3f} s", flush=True)
+                print(f"  round {r + 1}: ttft p99 alone {_pct(round_alone, 0.99):.3f} s, beside a batch "
+                      f"{_pct(round_beside, 0.99):.3f} s", flush=True)
             bid = self._submit(self.args.idle_items)
             t0 = time.monotonic()
             done = await self._wait(bid, ("completed",))
