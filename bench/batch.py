@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -50,6 +51,7 @@ class Bench:
         from pdserve.cluster.batch_store import RedisBatchStore
         from pdserve.cluster.redis_server import EmbeddedRedis, connect
         from pdserve.engine.config import EngineConfig
+        from pdserve.engine.gc_freeze import freeze_startup_heap
         from pdserve.engine.llm_engine import LLMEngine
         from pdserve.engine.testmodel import ensure_model
         from pdserve.engine.tokenizer import load_tokenizer
@@ -74,6 +76,8 @@ class Bench:
         self.rng = random.Random(0)
         self.vocab = self.engine.spec.vocab_size
         self.engine_ttfts: list[float | None] = []
+        if not args.no_gc_freeze:  # as a worker does once started (engine/gc_freeze.py)
+            freeze_startup_heap("bench batch")
 
     def close(self) -> None:
         self.backend.close()
@@ -182,6 +186,32 @@ class Bench:
         return out
 
 
+class GcPauses:
+    """Python's garbage-collector pauses in this process (every thread waits for them): count, total
+    and longest per generation, so that a slow interactive request can be told from a collection."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def summary(self) -> dict:
+        return {f"gc_gen{g}": {"count": len(v), "total_s": sum(v), "max_s": max(v, default=0.0)}
+                for g, v in self.pauses.items()}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="generated model preset")
     p.add_argument("--dtype", default="auto")
@@ -195,6 +225,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="ablation: an interactive arrival does not cut a batch-only engine step short")
     p.add_argument("--mixed-batch-prefill", action="store_true",
                    help="the ablation: batch prompt chunks share interactive steps instead of batch turns")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="the ablation: leave the start-up heap in Python's full collections")
     p.add_argument("--json", help="write the figures here")
 
 
@@ -208,14 +240,17 @@ def run(args: argparse.Namespace) -> int:
           f"step interrupt {'off' if args.no_step_interrupt else 'on'}; batch prompts "
           f"{'mixed into interactive steps' if args.mixed_batch_prefill else 'in batch turns'}")
     try:
-        out = asyncio.run(bench.run())
+        with GcPauses() as gc_pauses:
+            out = asyncio.run(bench.run())
     finally:
         bench.close()
+    out.update(gc_pauses.summary())
     out["host"] = cpu_model()
     out["step_interrupt"] = not args.no_step_interrupt
     out["interrupted_steps"] = bench.engine.interrupted_steps
     out["batch_prefill_apart"] = not args.mixed_batch_prefill
     out["batch_turns"] = bench.engine.scheduler.num_batch_turns
+    out["gc_freeze"] = not args.no_gc_freeze
     print(f"interactive TTFT p50/p99: alone {out['ttft_alone_p50_s']:.3f}/{out['ttft_alone_p99_s']:.3f} s, "
           f"beside a batch {out['ttft_beside_batch_p50_s']:.3f}/{out['ttft_beside_batch_p99_s']:.3f} s; "
           f"interactive_ttft_p99_ratio {out['interactive_ttft_p99_ratio']:.2f} (aim <= 1.1), "
@@ -229,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
           f"{out['batch_output_tok_s_beside_load']:.0f} output tok/s")
     print(f"batch on idle capacity: {out['batch_idle_output_tok_s']:.0f} output tok/s "
           f"({out['batch_idle_items']} items in {out['batch_idle_s']:.1f} s)")
+    print("garbage-collector pauses (all threads wait): " + "; ".join(
+        f"gen {g} {out[f'gc_gen{g}']['count']} x, longest {out[f'gc_gen{g}']['max_s'] * 1000:.1f} ms, "
+        f"total {out[f'gc_gen{g}']['total_s']:.2f} s" for g in (0, 1, 2)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -13,6 +13,7 @@ from pdserve.cluster.core_allocator import CoreAllocator, place_this_process
 from pdserve.cluster.metered import MeteredDecodeWorker, MeteredPrefillWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.contract import WorkerStats
+from pdserve.engine.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class _Pinned:
             logger.exception("worker %s failed to start", worker_id)
             CoreAllocator().release()
             raise
+        freeze_startup_heap(f"worker {worker_id}")
         logger.info("worker %s ready in %.1f s", worker_id, time.monotonic() - t0)
 
     def stats(self) -> WorkerStats:
