@@ -130,20 +130,57 @@ def check(s: StructuredOutput) -> None:
     _grammar(s)
 
 
+class TagPosition:
+    """Whether a structural-tag output is in free text or inside a tag (the tool call's JSON), read
+    from the bytes of the tokens it accepted: a trigger opens a tag, a tag's end string closes it."""
+
+    __slots__ = ("_triggers", "_ends", "_vocab", "_tail", "_keep", "inside")
+
+    def __init__(self, triggers: list[str], ends: list[str], vocab: list[bytes]) -> None:
+        self._triggers = [t.encode() for t in triggers]
+        self._ends = [e.encode() for e in ends]
+        self._vocab = vocab
+        self._keep = max(len(x) for x in self._triggers + self._ends) - 1   # a pattern split across tokens
+        self._tail = b""
+        self.inside = False
+
+    def push(self, token_id: int) -> None:
+        buf = self._tail + (self._vocab[token_id] if 0 <= token_id < len(self._vocab) else b"")
+        pos = 0
+        while True:
+            hits = [i + len(p) for p in (self._ends if self.inside else self._triggers) if (i := buf.find(p, pos)) >= 0]
+            if not hits:
+                break
+            pos = min(hits)
+            self.inside = not self.inside
+        self._tail = buf[max(pos, len(buf) - self._keep):]
+
+
 class RequestGrammar:
     """One request's place in its grammar: the xgrammar matcher plus, for JSON, the tokens
     that hold a raw control byte (U+0000-U+001F), banned outright: valid JSON never has one
-    outside an escape, and xgrammar 0.2.9's length-bounded strings (``maxLength``) let them in."""
+    outside an escape, and xgrammar 0.2.9's length-bounded strings (``maxLength``) let them in.
+    A structural tag (tool calls) is free text with JSON in its tags: the ban holds inside a tag
+    only (``tags``), so free text keeps its newlines."""
 
-    __slots__ = ("kind", "matcher", "ban")
+    __slots__ = ("kind", "matcher", "_ban", "_tags")
 
-    def __init__(self, kind: str, matcher: Any, ban: torch.Tensor | None) -> None:
+    def __init__(self, kind: str, matcher: Any, ban: torch.Tensor | None, tags: TagPosition | None = None) -> None:
         self.kind = kind
         self.matcher = matcher
-        self.ban = ban
+        self._ban = ban
+        self._tags = tags
+
+    @property
+    def ban(self) -> torch.Tensor | None:
+        """The tokens to refuse next besides the matcher's, as a packed allow-mask; None: none."""
+        return self._ban if self._tags is None or self._tags.inside else None
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.matcher.accept_token(token_id))
+        ok = bool(self.matcher.accept_token(token_id))
+        if ok and self._tags is not None:
+            self._tags.push(token_id)
+        return ok
 
 
 class GrammarBook:
@@ -156,6 +193,7 @@ class GrammarBook:
         self._eos = list(eos_token_ids)
         self._compiler = None
         self._control_ban: torch.Tensor | None = None
+        self._decoded_vocab: list[bytes] = []
         self._lock = threading.Lock()
 
     def _compiler_once(self):
@@ -164,7 +202,8 @@ class GrammarBook:
                 xgr = _xgr()
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                           stop_token_ids=self._eos or None)
-                self._control_ban = _control_byte_tokens(info.decoded_vocab, self._vocab_size, set(self._eos))
+                self._decoded_vocab = list(info.decoded_vocab)
+                self._control_ban = _control_byte_tokens(self._decoded_vocab, self._vocab_size, set(self._eos))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
             return self._compiler
 
@@ -178,8 +217,13 @@ class GrammarBook:
             raise
         except Exception as exc:
             raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
+        tags = None
+        if s.kind == "structural_tag":
+            spec = json.loads(s.spec)
+            tags = TagPosition(spec["triggers"], [t["end"] for t in spec["tags"]], self._decoded_vocab)
         g = RequestGrammar(s.kind, xgr.GrammarMatcher(compiled),
-                           self._control_ban if s.kind in ("json_schema", "json_object") else None)
+                           self._control_ban if s.kind in ("json_schema", "json_object", "structural_tag") else None,
+                           tags)
         for tok in prior:
             if not g.accept(tok):
                 raise InvalidRequestError(f"token {tok} already emitted does not follow the {s.kind}")
