@@ -23,6 +23,7 @@ import json
 import logging
 import random
 import statistics
+import sys
 import time
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Bench:
         self.rng = random.Random(0)
         self.vocab = self.engine.spec.vocab_size
         self.engine_ttfts: list[float | None] = []
+        self.router_shares: list[float] = []   # router TTFT - engine TTFT, request by request
         if not args.no_gc_freeze:  # as a worker does once started (engine/gc_freeze.py)
             freeze_startup_heap("bench batch")
 
@@ -104,6 +106,8 @@ class Bench:
                     elif ttft is None:
                         ttft = time.monotonic() - t0
             self.engine_ttfts.append(engine_ttft)
+            if engine_ttft is not None:
+                self.router_shares.append(ttft - engine_ttft)
             return ttft
 
         return list(await asyncio.gather(*(one(i) for i in range(self.args.requests))))
@@ -141,22 +145,30 @@ class Bench:
             await self._interactive()   # warm-up, not counted
             engine_alone: list[float] = []
             engine_beside: list[float] = []
+            share_alone: list[float] = []
+            share_beside: list[float] = []
             for r in range(self.args.rounds):
-                mark = len(self.engine_ttfts)
+                mark, smark = len(self.engine_ttfts), len(self.router_shares)
                 round_alone = await self._interactive()
                 alone += round_alone
                 engine_alone += self._engine_side(mark)
+                share_alone += self.router_shares[smark:]
                 bid = self._submit(self.args.batch_items)
                 while runner.running < runner.max_concurrent:
                     await asyncio.sleep(0.05)
                 t_load = time.monotonic()
-                mark = len(self.engine_ttfts)
+                mark, smark = len(self.engine_ttfts), len(self.router_shares)
                 round_beside = await self._interactive()
                 beside += round_beside
                 engine_beside += self._engine_side(mark)
+                share_beside += self.router_shares[smark:]
                 beside_s += time.monotonic() - t_load
                 await asyncio.to_thread(self.store.update_batch, bid, {"status": "cancelling"})
-                beside_done += (await self._wait(bid, ("cancelled",)))["request_counts"]["completed"]
+                ended = await self._wait(bid, ("cancelled", "completed"))
+                if ended["status"] == "completed":   # then part of the round ran with no batch beside it
+                    raise SystemExit(f"the batch of round {r + 1} finished before its interactive load did; "
+                                     "raise --batch-items")
+                beside_done += ended["request_counts"]["completed"]
                 print(f"  round {r + 1}: ttft p99 alone {_pct(round_alone, 0.99):.3f} s, beside a batch "
                       f"{_pct(round_beside, 0.99):.3f} s", flush=True)
             bid = self._submit(self.args.idle_items)
@@ -170,6 +182,7 @@ class Bench:
         out = {"ttft_alone_p50_s": statistics.median(alone), "ttft_alone_p99_s": _pct(alone, 0.99),
                "ttft_beside_batch_p50_s": statistics.median(beside), "ttft_beside_batch_p99_s": _pct(beside, 0.99),
                "interactive_ttft_p99_ratio": _pct(beside, 0.99) / _pct(alone, 0.99),
+               "samples_per_side": min(len(alone), len(beside)),
                "interactive_ttft_p50_ratio": statistics.median(beside) / statistics.median(alone),
                # with ~90 samples a side p99 is the slowest request or two; p90 moves less
                "interactive_ttft_p90_ratio": _pct(beside, 0.9) / _pct(alone, 0.9),
@@ -179,6 +192,12 @@ class Bench:
                "engine_ttft_beside_batch_p50_s": statistics.median(engine_beside),
                "engine_ttft_beside_batch_p99_s": _pct(engine_beside, 0.99),
                "engine_ttft_p99_ratio": _pct(engine_beside, 0.99) / _pct(engine_alone, 0.99),
+               # the rest of each TTFT: tokenizing, the wait for the engine's running step to end
+               # (the engine counts from when it takes the request), the first token's way back
+               "router_share_alone_p50_s": statistics.median(share_alone),
+               "router_share_alone_p99_s": _pct(share_alone, 0.99),
+               "router_share_beside_batch_p50_s": statistics.median(share_beside),
+               "router_share_beside_batch_p99_s": _pct(share_beside, 0.99),
                "batch_items_done_beside_load": beside_done,
                "batch_output_tok_s_beside_load": beside_done * 64 / beside_s if beside_s else 0.0,
                "batch_idle_output_tok_s": done["request_counts"]["completed"] * 64 / idle_s,
@@ -216,17 +235,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="generated model preset")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--requests", type=int, default=30, help="interactive requests per round")
+    p.add_argument("--requests", type=int, default=40, help="interactive requests per round")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between interactive arrivals")
-    p.add_argument("--batch-items", type=int, default=300)
+    p.add_argument("--batch-items", type=int, default=600,
+                   help="items of each round's batch: enough to outlast the round's interactive load")
     p.add_argument("--idle-items", type=int, default=64, help="the batch run alone at the end")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds (the default 5 x 40 gives 200 requests a side: the p99 is the 2nd slowest, "
+                        "not the slowest, so one stall does not decide it)")
     p.add_argument("--no-step-interrupt", action="store_true",
                    help="ablation: an interactive arrival does not cut a batch-only engine step short")
     p.add_argument("--mixed-batch-prefill", action="store_true",
                    help="the ablation: batch prompt chunks share interactive steps instead of batch turns")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="the ablation: leave the start-up heap in Python's full collections")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="the ablation: this GIL switch interval instead of the engine loop's (0.5 ms); "
+                        "5 is Python's default")
     p.add_argument("--json", help="write the figures here")
 
 
@@ -235,10 +260,17 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"host: {cpu_model()}")
     bench = Bench(args)
+    if args.switch_interval_ms is not None:   # after the engine loop set its own
+        if not args.switch_interval_ms > 0:
+            print("bench batch: error: --switch-interval-ms must be > 0", flush=True)
+            bench.close()
+            return 2
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     print(f"engine: {args.model} ({bench.engine.config.dtype}), max_num_seqs {args.max_num_seqs}; "
           f"{args.requests} interactive requests per round, every {args.interval} s; batch {args.batch_items} items; "
           f"step interrupt {'off' if args.no_step_interrupt else 'on'}; batch prompts "
-          f"{'mixed into interactive steps' if args.mixed_batch_prefill else 'in batch turns'}")
+          f"{'mixed into interactive steps' if args.mixed_batch_prefill else 'in batch turns'}; "
+          f"GIL switch interval {sys.getswitchinterval() * 1000:g} ms")
     try:
         with GcPauses() as gc_pauses:
             out = asyncio.run(bench.run())
@@ -251,13 +283,19 @@ def run(args: argparse.Namespace) -> int:
     out["batch_prefill_apart"] = not args.mixed_batch_prefill
     out["batch_turns"] = bench.engine.scheduler.num_batch_turns
     out["gc_freeze"] = not args.no_gc_freeze
+    out["switch_interval_s"] = sys.getswitchinterval()
     print(f"interactive TTFT p50/p99: alone {out['ttft_alone_p50_s']:.3f}/{out['ttft_alone_p99_s']:.3f} s, "
           f"beside a batch {out['ttft_beside_batch_p50_s']:.3f}/{out['ttft_beside_batch_p99_s']:.3f} s; "
           f"interactive_ttft_p99_ratio {out['interactive_ttft_p99_ratio']:.2f} (aim <= 1.1), "
-          f"p90 ratio {out['interactive_ttft_p90_ratio']:.2f}, p50 ratio {out['interactive_ttft_p50_ratio']:.2f}")
+          f"p90 ratio {out['interactive_ttft_p90_ratio']:.2f}, p50 ratio {out['interactive_ttft_p50_ratio']:.2f} "
+          f"({out['samples_per_side']} requests a side: the p99 is the slowest but "
+          f"{out['samples_per_side'] - 1 - int(0.99 * out['samples_per_side'])})")
     print(f"  the engine's own TTFT p50/p99: alone {out['engine_ttft_alone_p50_s']:.3f}/"
           f"{out['engine_ttft_alone_p99_s']:.3f} s, beside a batch {out['engine_ttft_beside_batch_p50_s']:.3f}/"
           f"{out['engine_ttft_beside_batch_p99_s']:.3f} s; p99 ratio {out['engine_ttft_p99_ratio']:.2f}")
+    print(f"  the rest (router, the wait for the running step) p50/p99: alone {out['router_share_alone_p50_s']:.3f}/"
+          f"{out['router_share_alone_p99_s']:.3f} s, beside a batch {out['router_share_beside_batch_p50_s']:.3f}/"
+          f"{out['router_share_beside_batch_p99_s']:.3f} s")
     print(f"batch turns beside interactive decodes: {out['batch_turns']}; "
           f"batch-only steps cut short by an interactive arrival: {out['interrupted_steps']}")
     print(f"batch beside the interactive load: {out['batch_items_done_beside_load']} items completed, "

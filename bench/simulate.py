@@ -1,13 +1,16 @@
 """``pdserve bench simulate``: the simulator against real runs on this host, and its speed.
 
-    pdserve bench simulate --json sim.json [--profile FILE] [--rates 0.5,1.5,2.5] [--num-prompts 40]
+    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 40]
 
 1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~2 minutes).
 2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
    one prefill and one decode worker, ``disaggregation.mode: always``; the planner off, so the
    shape is the one simulated), a short warm-up, then at each rate ``--num-prompts`` streamed
    completions of ``--prompt-len`` random tokens and ``--output-len`` tokens (Poisson arrivals,
-   ``ignore_eos``), measured from the client as ``bench serve`` does.
+   ``ignore_eos``), measured from the client as ``bench serve`` does. The rates are fractions
+   (``--load``) of what the profile says that mode's shape can serve of this traffic (the highest
+   Poisson rate whose simulated output keeps up with the offered one), so a fast host and a slow
+   one are loaded alike; ``--rates`` gives requests/s instead.
 3. The same requests simulated: the arrival times the client really used, the same lengths,
    the same shape. This host is shared and its speed drifts by tens of percent within minutes,
    so before each load a one-thread CPU probe (``bench/profile.py``'s ``speed_probe``, also taken
@@ -49,11 +52,23 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _fractions(text: str) -> list[float]:
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--load takes comma-separated numbers, got {text!r}") from None
+    if not loads or not all(0 < x <= 1.5 for x in loads):
+        raise argparse.ArgumentTypeError("--load: at least one fraction of capacity, each in (0, 1.5]")
+    return loads
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="write the result here")
     p.add_argument("--profile", type=Path, help="a `pdserve profile` JSON of --model-dir (default: profile it now)")
     p.add_argument("--model-dir", help="model directory (default: the generated small model)")
-    p.add_argument("--rates", type=_rates, default=[0.5, 1.5, 2.5], help="Poisson request rates, requests/s")
+    p.add_argument("--load", type=_fractions, default=[0.3, 0.55, 0.8],
+                   help="Poisson rates as fractions of each mode's simulated capacity for this traffic")
+    p.add_argument("--rates", type=_rates, help="Poisson request rates in requests/s (instead of --load)")
     p.add_argument("--modes", default="colocated,disaggregated", help="comma-separated: colocated, disaggregated")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -64,6 +79,32 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-1m", action="store_true", help="do not time the 1,000,000-request simulation")
     p.add_argument("--repeats", type=int, default=1, help="real loads per mode and rate (the same arrivals); with 2+, "
                    "the real runs' own spread is reported beside the simulator's error")
+
+
+def capacity_rate(profile, mode: str, prompt_len: int, output_len: int, itl_target_s: float,
+                  requests: int = 3000) -> float:
+    """The highest Poisson rate (requests/s) at which the simulated ``mode`` shape (as the loads
+    run it) still delivers 97% of the offered output tokens: what this profile says it can serve."""
+    from pdserve.capacity.simulate import ClusterShape, simulate
+
+    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+    prompt = np.full(requests, prompt_len)
+    output = np.full(requests, output_len)
+    gaps = np.random.default_rng(12_345).exponential(1.0, requests)
+
+    def keeps_up(rate: float) -> bool:
+        res = simulate(profile, shape, np.cumsum(gaps) / rate, prompt, np.zeros_like(prompt), output)
+        return res.output_tokens_per_s >= 0.97 * rate * output_len
+
+    lo, hi = 0.01, 1.0
+    while keeps_up(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e5:
+            raise RuntimeError("the simulated capacity has no bound; is the profile sane?")
+    for _ in range(14):   # about 0.01% of the rate
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if keeps_up(mid) else (lo, mid)
+    return lo
 
 
 def real_figures(records: list) -> dict:
@@ -141,17 +182,26 @@ def run_bench(args: argparse.Namespace) -> dict:
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     itl_target_s = 0.1   # slo.itl_ms's default: the decode workers' ITL budget
     runs = []
+    capacities: dict[str, float] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r} (colocated, disaggregated)")
         sets = ["planner.enabled=false", f"model.dtype={profile.model['dtype']}"]
         if mode == "disaggregated":
             sets.append("router.disaggregation.mode=always")
+        if args.rates:
+            rates = list(args.rates)
+        else:
+            capacity = capacity_rate(profile, mode, args.prompt_len, args.output_len, itl_target_s)
+            rates = [round(f * capacity, 2) for f in args.load]
+            capacities[mode] = capacity
+            print(f"{mode}: the profile serves up to {capacity:.2f} requests/s of this traffic; loads at "
+                  + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
         with Server(MODES[mode], model_dir, port=args.port, extra_set=sets) as server:
             target = Target("openai", server.url, server.served_model, vocab_size=vocab)
             warm = GroupSpec("warm", 4, prompt_len=args.prompt_len, output_len=8, concurrency=2, seed=99_999)
             asyncio.run(run_load(target, [warm], time_limit_s=120))
-            for i, rate in enumerate(args.rates):
+            for i, rate in enumerate(rates):
                 group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
                                   rate=rate, seed=args.seed + i)
                 reals, sims, plain, factors = [], [], [], []
@@ -167,7 +217,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                 sim = {m: float(np.mean([x[m] for x in sims])) for m in METRICS}
                 sim_plain = {m: float(np.mean([x[m] for x in plain])) for m in METRICS}
                 err = errors(real, sim)
-                run = {"mode": mode, "rate": rate, "real": real, "sim": sim, "error": err,
+                run = {"mode": mode, "rate": rate,
+                       "load_fraction": None if args.rates else args.load[i], "real": real, "sim": sim, "error": err,
                        "speed_factors": factors, "error_unscaled": errors(real, sim_plain),
                        "real_runs": reals, "sim_runs": sims}
                 if len(reals) > 1:   # how far one real run is from another: the floor under any model's error
@@ -183,7 +234,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     out: dict = {"benchmark": "simulate", "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": cpu_model(), "model_dir": model_dir, "profile": profile.to_dict(),
                  "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                          "output_len": args.output_len, "rates": args.rates}, "runs": runs}
+                          "output_len": args.output_len, "rates": args.rates,
+                          "load_fractions": None if args.rates else args.load,
+                          "capacity_rates": capacities}, "runs": runs}
     for m in METRICS:
         vals = [r["error"][m] for r in runs if r["error"][m] is not None]
         out[f"sim_error_{m}"] = max(vals) if vals else None

@@ -37,6 +37,7 @@ from pdserve.cluster.pids import pid_alive
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
 from pdserve.cluster.redact import split_password
 from pdserve.engine.contract import ClusterStatus
+from pdserve.engine.gc_freeze import freeze_startup_heap
 
 if TYPE_CHECKING:
     import redis
@@ -107,8 +108,10 @@ def read_state() -> dict | None:
 
 # --------------------------------------------------------------------------- the head process
 async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, write_state: bool = True) -> dict:
-    """Run the head until ``stop`` is set (or SIGTERM/SIGINT); ``ready`` is set once serving."""
+                stop: asyncio.Event | None = None, write_state: bool = True, freeze_heap: bool = False) -> dict:
+    """Run the head until ``stop`` is set (or SIGTERM/SIGINT); ``ready`` is set once serving.
+    ``freeze_heap``: a head process that lives for this call alone keeps its start-up heap out of
+    full garbage collections once serving (``engine/gc_freeze.py``); not for a test session."""
     if config.ray.address and config.ray.address not in ("local",) and not config.ray.address.startswith(
             ("127.", "localhost")):
         use_routable()  # joining a cluster of several hosts: keep Ray's own node IP choice
@@ -185,6 +188,8 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             _write_redis_password(password)
             _write_private(state_file(), json.dumps(state, indent=2))
         serve.state = state  # type: ignore[attr-defined]
+        if freeze_heap:  # the head streams every token: a full collection would pause them all
+            freeze_startup_heap("head")
         if ready is not None:
             ready.set()
         while not stop.is_set():
@@ -321,7 +326,7 @@ def _dashboard_url() -> str | None:
 def run_head(config: ClusterConfig) -> int:
     """The head in the foreground (``pdserve up --foreground``, and the background child)."""
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(serve(config))
+        runner.run(serve(config, freeze_heap=True))
     return 0
 
 

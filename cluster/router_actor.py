@@ -42,11 +42,13 @@ class RouterActor:
 
     async def start(self) -> dict:
         from pdserve.cluster.router_service import RouterService
+        from pdserve.engine.gc_freeze import freeze_startup_heap
 
         logging.getLogger("pdserve").setLevel(logging.INFO)
         self.service = RouterService(self.config, redis_url=self.redis_url, namespace=self.namespace,
                                      redis_password=self.redis_password)
         endpoints = await self.service.start()
+        freeze_startup_heap(f"router {self.service.router_id}")  # its own process: see engine/gc_freeze.py
         return {"router_id": self.service.router_id, "pid": os.getpid(), **dataclasses.asdict(endpoints)}
 
     async def stop(self, drain_s: float = 30.0) -> None:

@@ -50,6 +50,7 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
     from pdserve.cluster import launcher
     from pdserve.cluster.ray_env import use_loopback, use_routable, use_token_auth_if_available
     from pdserve.cluster.router_service import RouterService
+    from pdserve.engine.gc_freeze import freeze_startup_heap
 
     ray_address, redis_url, password = join_settings(config)
     if ray_address.startswith(("127.", "localhost")):
@@ -70,6 +71,7 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
             pass
     try:
         endpoints = await service.start()
+        freeze_startup_heap(f"router {service.router_id}")  # streams every token: no full-collection pauses
         print(f"pdserve router {service.router_id} is up: HTTP {endpoints.http_url}  gRPC {endpoints.grpc_target}  "
               f"({'leads' if service.is_leader else 'follows'} the control plane)", flush=True)
         while not stop.is_set():

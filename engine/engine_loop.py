@@ -4,11 +4,19 @@ The engine is not thread-safe, so exactly one thread touches it: this loop. Call
 a function that runs on the loop thread between two steps and get a ``Future`` for its result.
 After each step the loop hands the step's outputs to ``on_outputs``; ``on_tick`` runs once per
 iteration (busy or idle) for work that must be polled, such as KV transfers.
+
+Starting a loop shortens the process's GIL switch interval to ``SWITCH_INTERVAL_S`` (Python's
+default is 5 ms). The loop thread shares the GIL with the process's serving threads (an event
+loop streaming tokens, Redis calls, Ray's and gRPC's callbacks): a thread that wants the GIL while
+another runs Python code waits up to one interval for it. At 5 ms that is a tenth of a prefill
+step here, paid by an interactive request's first token whenever a busy neighbour holds the GIL;
+``pdserve bench batch`` measured it (docs/benchmarks.md, Batch API).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +28,8 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+SWITCH_INTERVAL_S = 0.0005  # the longest a thread holds the GIL while another waits for it
 
 
 class EngineLoop:
@@ -46,6 +56,9 @@ class EngineLoop:
         self.last_error: BaseException | None = None
 
     def start(self) -> None:
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            logger.info("GIL switch interval set to %.1f ms for the engine loop", SWITCH_INTERVAL_S * 1000)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -308,3 +308,23 @@ def test_the_served_step_factor_stretches_that_modes_engine_steps_only() -> None
 def test_the_example_traffic_file_loads() -> None:
     t = Traffic.load(Path(__file__).resolve().parents[2] / "examples" / "traffic.yaml")
     assert t.peak_rate == 3 and t.slo.percentile == 99 and t.num_requests() == 5000
+
+
+def test_bench_simulate_loads_each_mode_at_a_fraction_of_what_its_profile_can_serve() -> None:
+    from pdserve.bench.simulate import capacity_rate
+
+    prof = profile()
+    for mode in ("colocated", "disaggregated"):
+        cap = capacity_rate(prof, mode, 128, 64, itl_target_s=0.1, requests=1500)
+        n = 1500
+        gaps = np.random.default_rng(1).exponential(1.0, n)
+        shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=0.1, shared_host=True)
+
+        def delivered(rate: float) -> float:
+            res = simulate(prof, shape, np.cumsum(gaps) / rate, np.full(n, 128), np.zeros(n, dtype=int),
+                           np.full(n, 64))
+            return res.output_tokens_per_s / (rate * 64)
+
+        assert 1.0 < cap < 100.0, (mode, cap)
+        assert delivered(0.8 * cap) > 0.97, mode      # below capacity the output keeps up with the load
+        assert delivered(1.5 * cap) < 0.9, mode       # well above it, it does not
