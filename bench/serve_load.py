@@ -118,6 +118,7 @@ class RequestRecord:
     usage_prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
     request_id: str = ""
+    phase: dict | None = None             # pdserve's phase record of the request (its last chunk)
 
     @property
     def ok(self) -> bool:
@@ -236,7 +237,10 @@ class _OpenAIClient:
                     rec.usage_completion_tokens = usage.get("completion_tokens")
                     rec.usage_prompt_tokens = usage.get("prompt_tokens")
                     rec.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                ids = (event.get("pdserve") or {}).get("token_ids")
+                ext = event.get("pdserve") or {}
+                if "phase" in ext:
+                    rec.phase = ext["phase"]
+                ids = ext.get("token_ids")
                 if ids is not None:
                     n = len(ids)
                 else:

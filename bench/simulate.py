@@ -114,9 +114,15 @@ def real_figures(records: list) -> dict:
     ttft = [r.token_times[0] - r.sent for r in ok]
     itl = [g for r in ok for g in gaps(r.token_times)]
     span = max(r.token_times[-1] for r in ok) - min(r.sent for r in ok)
-    return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
-            "itl_p99": percentile(itl, 99), "throughput": sum(len(r.token_times) for r in ok) / span,
-            "completed": len(ok), "failed": len(records) - len(ok)}
+    out = {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
+           "itl_p99": percentile(itl, 99), "throughput": sum(len(r.token_times) for r in ok) / span,
+           "completed": len(ok), "failed": len(records) - len(ok)}
+    # where the real first tokens went, from the cluster's own phase records (medians, seconds)
+    phases = [r.phase for r in ok if r.phase]
+    if phases:
+        out["phase_p50"] = {k: float(np.median([p.get(k) or 0.0 for p in phases]))
+                            for k in ("queue_s", "prefill_s", "ttft_s", "kv_transfer_s", "kv_exposed_s")}
+    return out
 
 
 def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
@@ -214,6 +220,12 @@ def run_bench(args: argparse.Namespace) -> dict:
                     sims.append(sim_figures(profile.scaled(factor), mode, result.records, itl_target_s))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s))
                 real = {m: float(np.mean([r[m] for r in reals])) for m in METRICS}
+                if "phase_p50" in reals[0]:
+                    ph = reals[0]["phase_p50"]
+                    print(f"{mode:13s} {rate:5.2f} req/s  the cluster's phase records, medians: queue "
+                          f"{ph['queue_s'] * 1e3:.0f} ms, prefill {ph['prefill_s'] * 1e3:.0f} ms, TTFT "
+                          f"{ph['ttft_s'] * 1e3:.0f} ms, KV transfer {ph['kv_transfer_s'] * 1e3:.0f} ms "
+                          f"({ph['kv_exposed_s'] * 1e3:.0f} ms exposed)", flush=True)
                 sim = {m: float(np.mean([x[m] for x in sims])) for m in METRICS}
                 sim_plain = {m: float(np.mean([x[m] for x in plain])) for m in METRICS}
                 err = errors(real, sim)

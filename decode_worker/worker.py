@@ -182,8 +182,10 @@ class DecodeWorker(MigrationMixin, WorkerBase):
                        priority: Priority = Priority.INTERACTIVE, owner: str = DEFAULT_OWNER,
                        resume_key: str = "") -> None:
         """Prefill and decode here (conditional disaggregation / migration target)."""
+        arrived = time.monotonic()  # the wait for the running step counts in the request's queue time
+
         def do(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, params, priority)
+            engine.add_request(request_id, prompt_token_ids, params, priority, arrival_time=arrived)
             self._own(request_id, owner)
             self._track(request_id, resume_key, prompt_token_ids, [])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -157,6 +158,10 @@ class LLMEngine:
         # again later, so the new request waits for one layer instead of a whole batch step.
         self.interrupt = threading.Event()
         self.interrupted_steps = 0
+        # Called on the engine's thread between two layers of every step (a prefill worker moves
+        # its KV pushes on with it, which otherwise wait for the end of the next prompt's step).
+        # It must not touch the scheduler or the block manager: a step is running.
+        self.between_layers: Callable[[], None] | None = None
         # A sequence may not outgrow the whole KV pool: it would preempt itself forever.
         token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
         self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit,
@@ -324,6 +329,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def _layer_check(self, batch_only: bool) -> Callable[[], bool] | None:
+        """What the runner asks between two layers: run ``between_layers``, and (in a step of
+        batch work only) whether an interactive arrival interrupts the step."""
+        hook, interrupted = self.between_layers, self.interrupt.is_set
+        if hook is None:
+            return interrupted if batch_only else None
+
+        def check() -> bool:
+            hook()
+            return batch_only and interrupted()
+        return check
+
     def step(self) -> list[StepOutput]:
         """Run one iteration: schedule, forward, sample, check stops."""
         outputs, self._pending = self._pending, []
@@ -340,7 +357,7 @@ class LLMEngine:
                    if c.seq.params.prompt_logprobs is not None and _set_scoring(items[i], c.seq)}
         batch_only = all(c.seq.priority is Priority.BATCH for c in sched.chunks)
         try:
-            logits, scores = self.runner.execute_scored(items, stop=self.interrupt.is_set if batch_only else None)
+            logits, scores = self.runner.execute_scored(items, stop=self._layer_check(batch_only))
         except StepInterrupted:
             # Nothing was advanced: every chunk is scheduled again (its K/V rewritten, the same values).
             self.interrupted_steps += 1

@@ -63,6 +63,7 @@ class PrefillWorker(WorkerBase):
         self._jobs: dict[str, _Job] = {}
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
+        self.engine.between_layers = self._advance_pushes
         self._start_loop(self._on_outputs, self._on_tick)
 
     # ------------------------------------------------------------------ peers
@@ -73,11 +74,12 @@ class PrefillWorker(WorkerBase):
         request-level failure: those come back as ``finish_reason="error"``)."""
         transfer = TransferParams.from_bytes(transfer_params)
         fut: Future = Future()
+        arrived = time.monotonic()  # the wait for the running step counts in the request's queue time
 
         def start(engine: LLMEngine) -> None:
             sender = KVSender(self.agent, transfer)  # checks compatibility before anything moves
             try:
-                engine.add_request(request_id, prompt_token_ids, params, priority)
+                engine.add_request(request_id, prompt_token_ids, params, priority, arrival_time=arrived)
             except BaseException:
                 sender.close()
                 raise
@@ -194,17 +196,31 @@ class PrefillWorker(WorkerBase):
         self._collect_events()
         return bool(self._jobs)
 
+    def _advance_pushes(self) -> None:
+        """Between two layers of a step: move the finished prompts' KV pushes on (NIXL progresses
+        when polled) and answer each caller whose push landed, so its first token and the decode
+        side's start do not wait for the end of the step. Only reads and answers: freeing the
+        blocks, failures and deadlines stay with ``_on_tick`` between steps."""
+        for job in self._jobs.values():
+            if job.finishing and not job.future.done() and job.sender.poll() is SendState.DONE:
+                self._fill_transfer(job)
+                job.future.set_result(job.result)
+
+    def _fill_transfer(self, job: _Job) -> None:
+        st = job.sender.stats
+        assert job.result is not None  # set by _on_output before finishing
+        job.result.kv_bytes = st.nbytes
+        job.result.kv_blocks = st.blocks
+        job.result.kv_descriptors = st.descriptors
+        job.result.kv_transfer_s = st.seconds or 0.0
+        job.result.kv_exposed_s = max(0.0, (st.done_at or 0.0) - job.first_token_at)
+        job.result.src_blocks = list(job.src_blocks)
+
     def _poll_job(self, job: _Job, now: float) -> None:
         state = job.sender.poll()
         if state is SendState.DONE and job.finishing:
-            st = job.sender.stats
-            assert job.result is not None  # set by _on_output before finishing
-            job.result.kv_bytes = st.nbytes
-            job.result.kv_blocks = st.blocks
-            job.result.kv_descriptors = st.descriptors
-            job.result.kv_transfer_s = st.seconds or 0.0
-            job.result.kv_exposed_s = max(0.0, (st.done_at or 0.0) - job.first_token_at)
-            job.result.src_blocks = list(job.src_blocks)
+            if not job.future.done():
+                self._fill_transfer(job)
             self._resolve(job)
         elif state in (SendState.FAILED, SendState.ABORTED):
             self._abort_job(job, f"KV transfer {state.value}: {job.sender.reason}")

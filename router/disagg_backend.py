@@ -374,10 +374,11 @@ class DisaggBackend:
                         yield first
                     yield Finished(acc.ended_at_prefill)
                     return
+                if first is not None:
+                    yield first   # the client has its first token before D's start (a step boundary there)
+                await self._start_decoding(attempt, d, prompt, params, req, acc)
                 decoding = True
                 d_view.decoding_requests += 1
-                if first is not None:
-                    yield first
             renew_at = time.monotonic() + self.lease_s / 3
             while True:
                 if self.ledger is not None and time.monotonic() >= renew_at:
@@ -446,7 +447,7 @@ class DisaggBackend:
 
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
                        req: GenerateRequest, acc: _RequestRecord, queue: asyncio.Queue) -> TokenDelta | None:
-        """Reserve on D, prefill on P (KV pushed over NIXL), start on D; returns the first token."""
+        """Reserve on D, prefill on P (KV pushed over NIXL); returns the first token."""
         member = self.pool.members.get(p)
         if member is None:  # removed (dead) between routing and now: retried elsewhere, like a lost call
             raise WorkerLost(p, "left the pool before its prefill started")
@@ -489,15 +490,20 @@ class DisaggBackend:
             # Ended at its first token (EOS / max_tokens 1): nothing to decode.
             self._abort_remote(attempt, d, None)
             acc.ended_at_prefill = res.finish_reason
-            return first
+        return first
+
+    async def _start_decoding(self, attempt: str, d: str, prompt: list[int], params, req: GenerateRequest,
+                              acc: _RequestRecord) -> None:
+        """The prompt's KV landed on D: start decoding there. Runs after the first token went to
+        the client (it waits for one of D's step boundaries); a failure here is a failure after
+        the first token, so the request goes on by migration (prompt + that token)."""
         await self._ledger(LedgerState.LANDED, attempt)
         try:
-            await self._call(d, lambda a: a.start.remote(attempt, prompt, res.first_token_id, params, req.priority,
-                                                           resume_key=req.resume_key))
+            await self._call(d, lambda a: a.start.remote(attempt, prompt, acc.prefilled.first_token_id, params,
+                                                           req.priority, resume_key=req.resume_key))
         except KVTransferError as exc:  # the reservation ended meanwhile (timeout, failed transfer)
             raise _AttemptFailed(d, f"start on {d} failed: {exc}") from exc
         await self._ledger(LedgerState.DECODING, attempt)
-        return first
 
     async def _renew_while_prefilling(self, attempt: str, d: str, p: str) -> None:
         """A slow prefill is not a failed one: while it is queued or running, extend the decode

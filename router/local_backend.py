@@ -67,7 +67,8 @@ class LocalEngineBackend:
             return
         queue: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.get_running_loop(), queue, req.deadline)
-        added = self._loop.submit(lambda _e: self._add(req, stream), urgent=req.priority is Priority.INTERACTIVE)
+        arrived = time.monotonic()  # the wait for the running step counts in the request's queue time
+        added = self._loop.submit(lambda _e: self._add(req, stream, arrived), urgent=req.priority is Priority.INTERACTIVE)
         added.add_done_callback(lambda fut: self._unless_added(fut, stream))
         done = False
         try:
@@ -111,7 +112,7 @@ class LocalEngineBackend:
         if request_id in self._streams:
             self._engine.abort(request_id)  # its final output comes with the next step
 
-    def _add(self, req: GenerateRequest, stream: _Stream) -> None:
+    def _add(self, req: GenerateRequest, stream: _Stream, arrived: float) -> None:
         if self._closing:
             self._deliver({stream: [Finished("error", error=WorkerUnavailableError("the engine is shutting down"))]})
             return
@@ -120,7 +121,8 @@ class LocalEngineBackend:
             self._deliver({stream: [Finished("error", error=PdserveError("internal server error: duplicate id"))]})
             return
         try:
-            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority)
+            self._engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                                     arrival_time=arrived)
         except PdserveError as exc:
             self._deliver({stream: [Finished("error", error=exc)]})
             return

@@ -71,6 +71,29 @@ def test_greedy_matches_transformers(tiny_model, prompts, reference, case) -> No
     assert engine.block_manager.all_free()
 
 
+def test_the_between_layers_hook_runs_between_every_two_layers_and_changes_no_token(tiny_model, prompts,
+                                                                                   reference) -> None:
+    """A prefill worker moves its KV pushes on from this hook; it runs in interactive steps too
+    (which it never interrupts) and the tokens stay the same."""
+    engine = make_engine(tiny_model)
+    calls, steps = [], []
+    engine.between_layers = lambda: calls.append(len(steps))
+    step = engine.step
+
+    def counted_step():
+        out = step()
+        steps.append(1)
+        return out
+
+    engine.step = counted_step
+    assert engine.generate(prompts, GREEDY) == reference
+    layers = engine.spec.num_layers
+    ran = [n for n in range(len(steps)) if n in set(calls)]
+    assert ran and all(calls.count(n) == layers for n in ran)   # once before each layer of a step
+    assert len(ran) >= MAX_TOKENS and engine.interrupted_steps == 0
+    assert engine.block_manager.all_free()
+
+
 def test_prefix_cache_hit_gives_same_tokens(tiny_model, prompts, reference) -> None:
     engine = make_engine(tiny_model)
     first = engine.generate([prompts[-1]], GREEDY)

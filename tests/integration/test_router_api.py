@@ -537,6 +537,32 @@ def test_closing_the_backend_ends_every_stream_with_an_error_and_frees_its_block
     assert backend.num_active == 0 and engine.block_manager.all_free()
 
 
+def test_a_requests_queue_time_counts_from_its_submit_not_from_when_the_engine_takes_it(stack: Stack) -> None:
+    """A request that waits for the engine loop (here: a command holding it 0.3 s, as a running
+    step would) has that wait in its phase record's queue time and TTFT."""
+    from pdserve.router.backend import Finished, GenerateRequest
+
+    held = threading.Event()
+
+    def hold(_engine) -> None:
+        held.set()
+        time.sleep(0.3)
+
+    async def run() -> Finished:
+        busy = stack.backend._loop.submit(hold)
+        await asyncio.to_thread(held.wait, 10)
+        items = [item async for item in stack.backend.generate(
+            GenerateRequest("queued-at-submit", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0)))]
+        await asyncio.wrap_future(busy)
+        return items[-1]
+
+    end = stack.call(run())
+    assert isinstance(end, Finished) and end.error is None
+    assert end.phase.queue_s >= 0.25, end.phase
+    assert end.phase.ttft_s >= end.phase.queue_s
+    stack.wait_idle()
+
+
 def test_min_tokens_and_penalties_work_through_the_api(stack: Stack) -> None:
     """min_tokens keeps a stop token id from ending the request early; a repetition penalty
     changes the greedy text (random-weight models repeat themselves); neither is ignored."""
