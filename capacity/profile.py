@@ -121,6 +121,9 @@ class ServingProfile:
 
     ttft_overhead_s: float = 0.0
     itl_overhead_s: float = 0.0
+    # the same for a request that arrives while other streams decode (the cores busy, the decode
+    # side's step boundary to wait for); None: not measured, the lone figure stands for it
+    ttft_overhead_busy_s: float | None = None
     # an engine step as served under load (8 streams) over the same step measured alone: the
     # serving stack's own CPU on the workers' cores; the simulator multiplies that mode's steps
     step_x: float = 1.0

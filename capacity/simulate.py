@@ -195,6 +195,9 @@ class Simulator:
         self.prefill_x = float(corun.get("prefill_x", 1.0))
         self.decode_x = float(corun.get("decode_x", 1.0))
         self.ttft_over = served.ttft_overhead_s
+        # a first token while its decode worker has streams running pays the busy figure
+        self.ttft_over_busy = (served.ttft_overhead_busy_s if served.ttft_overhead_busy_s is not None
+                               else served.ttft_overhead_s)
         self.itl_over = served.itl_overhead_s
         # engine steps as served (the profile's served measurement under load; 1 without one)
         if served.step_x != 1.0:
@@ -276,7 +279,7 @@ class Simulator:
         A, kc, itl_over = self.A, self.kc, self.itl_over
         de, pe = self.de, self.pe
         kv_bytes, transfer_s = self.kv_bytes, self.profile.transfer.transfer_s
-        ttft_over = self.ttft_over
+        ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
         prefill_x, decode_x = self.prefill_x, self.decode_x
         paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
         out_tokens = 0
@@ -438,7 +441,9 @@ class Simulator:
                             w.pq.popleft()
                         else:
                             w.pq.remove(item)
-                        ttft[r] = t - arr[r] + ttft_over
+                        # served overheads: the busy figure while r's decode worker has streams running
+                        home = dw[dworker[r]] if w.role == "prefill" else w
+                        ttft[r] = t - arr[r] + (ttft_over_busy if home.b else ttft_over)
                         first_t[r] = t
                         if ol[r] <= 1:
                             e2e[r] = ttft[r]
@@ -464,7 +469,7 @@ class Simulator:
                 w.b -= 1
                 w.C -= pl[r] + ol[r]
                 w.kv_free += kv_need(r)
-                e2e[r] = t - arr[r] + ttft_over
+                e2e[r] = ttft[r] + (t - first_t[r])
                 out_tokens += ol[r]
                 last_end = max(last_end, t)
                 d_load[dworker[r]] -= 1

@@ -305,6 +305,20 @@ def test_the_served_step_factor_stretches_that_modes_engine_steps_only() -> None
     assert d1.e2e_s[0] == d2.e2e_s[0]
 
 
+def test_a_first_token_beside_decoding_streams_pays_the_busy_served_overhead() -> None:
+    for mode in ("disaggregated", "colocated"):
+        prof = profile(serving={mode: ServingProfile(ttft_overhead_s=0.01, ttft_overhead_busy_s=0.04)})
+        res = run(prof, mode, [0.0, 1.0], [128, 128], [200, 3])   # the second comes while the first decodes
+        first = prof.role("prefill" if mode == "disaggregated" else "colocated").prefill_step_s(128)
+        assert res.ttft_s[0] == pytest.approx(first + 0.01), mode
+        assert res.ttft_s[1] > first + 0.04 - 1e-9, mode        # its step, plus the busy overhead
+        if mode == "disaggregated":                               # the prefill worker was idle for it
+            assert res.ttft_s[1] == pytest.approx(first + 0.04)
+        unmeasured = profile(serving={mode: ServingProfile(ttft_overhead_s=0.01)})
+        again = run(unmeasured, mode, [0.0, 1.0], [128, 128], [200, 3])
+        assert again.ttft_s[1] == pytest.approx(res.ttft_s[1] - 0.03), mode   # the lone figure stands in
+
+
 def test_the_example_traffic_file_loads() -> None:
     t = Traffic.load(Path(__file__).resolve().parents[2] / "examples" / "traffic.yaml")
     assert t.peak_rate == 3 and t.slo.percentile == 99 and t.num_requests() == 5000
