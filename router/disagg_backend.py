@@ -116,6 +116,8 @@ class DisaggBackend:
         self.renewals = 0
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
         self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
+        self._aborted: set[str] = set()        # requests the caller aborted: never started or retried again
+        self._live: set[str] = set()           # requests whose generate() is running
         self.migrations = 0
         self.retries = 0
 
@@ -133,12 +135,23 @@ class DisaggBackend:
         return None if attempt is None else self._active.get(attempt)
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._aborted.add(request_id)
         attempt = self._attempt_of.get(request_id)
         workers = None if attempt is None else self._active.get(attempt)
         if workers is not None:
             self._abort_remote(attempt, *workers)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
+        self._live.add(req.request_id)
+        try:
+            async for item in self._generate(req):
+                yield item
+        finally:
+            self._live.discard(req.request_id)
+            self._aborted.discard(req.request_id)
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         started = time.monotonic()
         emitted: list[int] = []
         excluded: set[str] = set()
@@ -187,6 +200,9 @@ class DisaggBackend:
                         yield self._finish(item, req, emitted, started, first_token_at, acc)
                         return
             except (_AttemptFailed, WorkerLost) as exc:
+                if req.request_id in self._aborted:   # the caller stopped it: an attempt's end is no loss
+                    yield self._finish(Finished("abort"), req, emitted, started, first_token_at, acc)
+                    return
                 repeated = _repeated_failure(exc, failures)
                 if repeated is not None:
                     logger.warning("request %s: not retried: %s", req.request_id, repeated)
@@ -376,6 +392,9 @@ class DisaggBackend:
                     return
                 if first is not None:
                     yield first   # the client has its first token before D's start (a step boundary there)
+                if req.request_id in self._aborted:   # e.g. a stop string in the first token
+                    yield Finished("abort")
+                    return
                 await self._start_decoding(attempt, d, prompt, params, req, acc)
                 decoding = True
                 d_view.decoding_requests += 1

@@ -237,6 +237,28 @@ def test_request_ended_by_its_prefill_frees_its_ledger_entry_at_once(cluster: Cl
     assert entry is not None and entry.state.value == "FREED" and entry.held_sides() == ()
 
 
+def test_a_stop_string_in_the_first_token_ends_the_request_without_running_it_again(cluster: ClusterHarness) -> None:
+    """The first token reaches the client before decoding starts on the decode worker; a stop
+    string in it aborts the request, which must end as "stop" with nothing run again and its
+    ledger entry released. (Whether the abort reaches the decode worker before or after its
+    start is a race this test does not steer; ``DisaggBackend`` ends an aborted request either way.)"""
+    tok = cluster.tokenizer
+    firsts = {p: cluster.ref[p][1][0] for p in (SHORT_PROMPT, LONG_PROMPT)}
+    firsts |= {p: out[0] for p, out in cluster.ref["streams"].items()}
+    found = [(p, tok.decode([t])) for p, t in firsts.items()]
+    first_texts = [(p, t) for p, t in found if t.strip()]
+    assert first_texts, f"no prompt's first greedy token has text: {found}"
+    prompt, stop = first_texts[0]
+    backend = cluster.service.backend
+    before = (backend.migrations, backend.retries)
+    r = cluster.openai().completions.create(model=cluster.model_name, prompt=prompt, max_tokens=LONG,
+                                            temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ""
+    assert (backend.migrations, backend.retries) == before
+    assert extra(r)["phase"]["attempts"] == 1
+    wait_until(lambda: not cluster.ledger_active(), 10.0, "the ledger entry released")
+
+
 # --------------------------------------------------------------------------- gRPC
 def test_grpc_matches_the_engine_with_health_and_reflection(cluster: ClusterHarness) -> None:
     assert_health_and_reflection(cluster.grpc_target)
