@@ -145,88 +145,84 @@ class DisaggBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
         self._live.add(req.request_id)
         try:
-            async for item in self._generate(req):
-                yield item
+            started = time.monotonic()
+            emitted: list[int] = []
+            excluded: set[str] = set()
+            failures: dict[str, str] = {}
+            acc = _RequestRecord()
+            first_token_at: float | None = None
+            prefer: str | None = None  # the prefill worker that holds the prompt's KV after a decode-side loss
+            if req.resume_from is not None:
+                try:
+                    emitted, ended = await self._resume(req)
+                except PdserveError as exc:
+                    yield self._finish(Finished("error", error=exc), req, [], started, None, acc)
+                    return
+                first_token_at = time.monotonic()
+                if len(emitted) > req.resume_from:
+                    yield TokenDelta(emitted[req.resume_from:])
+                if ended is None and len(emitted) >= req.params.max_tokens:
+                    ended = "length"
+                if ended is not None:
+                    yield self._finish(Finished(ended), req, emitted, started, first_token_at, acc)
+                    return
+                self.migrations += 1
+                acc.migrations += 1
+            for attempt_no in range(1, self.max_attempts + 1):
+                acc.attempts = attempt_no
+                prompt = req.prompt_token_ids + emitted
+                # A later attempt continues the output: what is left of the budgets, and the tokens
+                # the client already got (penalties, seeded draws and the grammar go on after them).
+                params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
+                                 min_tokens=max(0, req.params.min_tokens - len(emitted)),
+                                 prior_output=req.params.prior_output + tuple(emitted),
+                                 # the client has the prompt's logprobs once the first token came back
+                                 prompt_logprobs=req.params.prompt_logprobs if not emitted else None)
+                attempt = f"{req.request_id}#{attempt_no}"
+                try:
+                    decision = await self._route(prompt, excluded, req.deadline, prefer, params.cache_salt)
+                    if attempt_no == 1:
+                        self._admit_by_predicted_ttft(decision, len(prompt))
+                    async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
+                        if isinstance(item, TokenDelta):
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            emitted.extend(item.token_ids)
+                            yield item
+                        else:
+                            yield self._finish(item, req, emitted, started, first_token_at, acc)
+                            return
+                except (_AttemptFailed, WorkerLost) as exc:
+                    if req.request_id in self._aborted:   # the caller stopped it: an attempt's end is no loss
+                        yield self._finish(Finished("abort"), req, emitted, started, first_token_at, acc)
+                        return
+                    repeated = _repeated_failure(exc, failures)
+                    if repeated is not None:
+                        logger.warning("request %s: not retried: %s", req.request_id, repeated)
+                        yield self._finish(Finished("error", error=repeated), req, emitted, started, first_token_at, acc)
+                        return
+                    excluded.add(exc.worker_id)
+                    # the decode side failed after (or while) the prompt was prefilled: that prefill
+                    # worker keeps the prompt's KV in its prefix cache, so the retry goes there again
+                    p_prev = acc.prefill_worker
+                    prefer = p_prev if p_prev and p_prev != exc.worker_id and p_prev != acc.decode_worker else None
+                    if emitted:
+                        self.migrations += 1
+                        acc.migrations += 1
+                        logger.warning("request %s: migrating after %d tokens: %s", req.request_id, len(emitted), exc)
+                    else:
+                        self.retries += 1
+                        logger.warning("request %s: retrying: %s", req.request_id, exc)
+                    continue
+                except PdserveError as exc:
+                    yield self._finish(Finished("error", error=exc), req, emitted, started, first_token_at, acc)
+                    return
+            logger.warning("request %s: no worker could serve it after %d attempts", req.request_id, self.max_attempts)
+            err = WorkerUnavailableError(f"no worker could serve this request after {self.max_attempts} attempts")
+            yield self._finish(Finished("error", error=err), req, emitted, started, first_token_at, acc)
         finally:
             self._live.discard(req.request_id)
             self._aborted.discard(req.request_id)
-
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | Finished]:
-        started = time.monotonic()
-        emitted: list[int] = []
-        excluded: set[str] = set()
-        failures: dict[str, str] = {}
-        acc = _RequestRecord()
-        first_token_at: float | None = None
-        prefer: str | None = None  # the prefill worker that holds the prompt's KV after a decode-side loss
-        if req.resume_from is not None:
-            try:
-                emitted, ended = await self._resume(req)
-            except PdserveError as exc:
-                yield self._finish(Finished("error", error=exc), req, [], started, None, acc)
-                return
-            first_token_at = time.monotonic()
-            if len(emitted) > req.resume_from:
-                yield TokenDelta(emitted[req.resume_from:])
-            if ended is None and len(emitted) >= req.params.max_tokens:
-                ended = "length"
-            if ended is not None:
-                yield self._finish(Finished(ended), req, emitted, started, first_token_at, acc)
-                return
-            self.migrations += 1
-            acc.migrations += 1
-        for attempt_no in range(1, self.max_attempts + 1):
-            acc.attempts = attempt_no
-            prompt = req.prompt_token_ids + emitted
-            # A later attempt continues the output: what is left of the budgets, and the tokens
-            # the client already got (penalties, seeded draws and the grammar go on after them).
-            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
-                             min_tokens=max(0, req.params.min_tokens - len(emitted)),
-                             prior_output=req.params.prior_output + tuple(emitted),
-                             # the client has the prompt's logprobs once the first token came back
-                             prompt_logprobs=req.params.prompt_logprobs if not emitted else None)
-            attempt = f"{req.request_id}#{attempt_no}"
-            try:
-                decision = await self._route(prompt, excluded, req.deadline, prefer, params.cache_salt)
-                if attempt_no == 1:
-                    self._admit_by_predicted_ttft(decision, len(prompt))
-                async for item in self._run_attempt(attempt, decision, prompt, params, req, acc):
-                    if isinstance(item, TokenDelta):
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                        emitted.extend(item.token_ids)
-                        yield item
-                    else:
-                        yield self._finish(item, req, emitted, started, first_token_at, acc)
-                        return
-            except (_AttemptFailed, WorkerLost) as exc:
-                if req.request_id in self._aborted:   # the caller stopped it: an attempt's end is no loss
-                    yield self._finish(Finished("abort"), req, emitted, started, first_token_at, acc)
-                    return
-                repeated = _repeated_failure(exc, failures)
-                if repeated is not None:
-                    logger.warning("request %s: not retried: %s", req.request_id, repeated)
-                    yield self._finish(Finished("error", error=repeated), req, emitted, started, first_token_at, acc)
-                    return
-                excluded.add(exc.worker_id)
-                # the decode side failed after (or while) the prompt was prefilled: that prefill
-                # worker keeps the prompt's KV in its prefix cache, so the retry goes there again
-                p_prev = acc.prefill_worker
-                prefer = p_prev if p_prev and p_prev != exc.worker_id and p_prev != acc.decode_worker else None
-                if emitted:
-                    self.migrations += 1
-                    acc.migrations += 1
-                    logger.warning("request %s: migrating after %d tokens: %s", req.request_id, len(emitted), exc)
-                else:
-                    self.retries += 1
-                    logger.warning("request %s: retrying: %s", req.request_id, exc)
-                continue
-            except PdserveError as exc:
-                yield self._finish(Finished("error", error=exc), req, emitted, started, first_token_at, acc)
-                return
-        logger.warning("request %s: no worker could serve it after %d attempts", req.request_id, self.max_attempts)
-        err = WorkerUnavailableError(f"no worker could serve this request after {self.max_attempts} attempts")
-        yield self._finish(Finished("error", error=err), req, emitted, started, first_token_at, acc)
 
     async def _resume(self, req: GenerateRequest) -> tuple[list[int], str | None]:
         """A resumed stream's output so far and how it ended (None: it had not, or was cut off,
