@@ -89,10 +89,13 @@ def profile_engine(engine, vocab: int, *, quick: bool, max_seqs: int, max_batche
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 3
     lens = [n for n in (QUICK_PREFILL if quick else PREFILL_TOKENS) if n <= max_batched]
     engine_prefill(engine, _prompt(gen, vocab, 32))   # warm
-    pre = [statistics.median(engine_prefill(engine, _prompt(gen, vocab, n)) for _ in range(repeats)) for n in lens]
+    # whole passes over the lengths, not repeats of one length in a row: a slow spell of this
+    # shared host then lands on one sample of several lengths, and the medians drop it
+    passes = [[engine_prefill(engine, _prompt(gen, vocab, n)) for n in lens] for _ in range(repeats)]
+    pre = [statistics.median(p[j] for p in passes) for j in range(len(lens))]
     # attention over cached context: the same 1,024 tokens, then 128 more after them
     base = _prompt(gen, vocab, CTX_CACHED)
     engine_prefill(engine, base)
@@ -211,84 +214,140 @@ BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
                     port: int = 8000, corun: dict | None = None) -> dict[str, ServingProfile]:
-    """Lone requests through a real ``pdserve up`` of each mode, against the engine's own steps;
-    then requests arriving one at a time beside ``BUSY_STREAMS - 1`` decoding streams."""
-    import asyncio
-
-    from pdserve.bench.serve_load import GroupSpec, Target, run_load
-    from pdserve.bench.serve_stats import gaps
+    """Each mode's served overheads (``measure_served``) through a real ``pdserve up`` of it."""
     from pdserve.bench.servers import Server
 
-    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     out: dict[str, ServingProfile] = {}
-    for mode, kind, first_role in (("colocated", "pdserve-colocated", "colocated"),
-                                   ("disaggregated", "pdserve", "prefill")):
+    for mode, kind in (("colocated", "pdserve-colocated"), ("disaggregated", "pdserve")):
         sets = ["planner.enabled=false", f"model.dtype={dtype}"]
         if mode == "disaggregated":
             sets.append("router.disaggregation.mode=always")
         with Server(kind, model_dir, port=port, extra_set=sets) as server:
-            target = Target("openai", server.url, server.served_model, vocab_size=vocab)
-            warm = GroupSpec("warm", 2, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1, seed=7_777)
-            asyncio.run(run_load(target, [warm], time_limit_s=120))
-            group = GroupSpec("lone", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=SERVED_OUT,
-                              concurrency=1, seed=7_778)
-            res = asyncio.run(run_load(target, [group], time_limit_s=180))
-            # under load: waves of BUSY_STREAMS streams; their steady token gaps are decode steps
-            # at that batch, as served here (the router, Ray and the client on the same cores)
-            busy_group = GroupSpec("busy", 2 * BUSY_STREAMS, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
-                                   concurrency=BUSY_STREAMS, seed=7_779)
-            busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
-            # one request at a time arriving while BUSY_STREAMS - 1 others decode: what serving
-            # adds to a first token when the cores and the decode side are busy
-            background = GroupSpec("background", BUSY_STREAMS - 1, prompt_len=SERVED_PROMPT,
-                                   output_len=BESIDE_BACKGROUND_OUT, concurrency=BUSY_STREAMS - 1, seed=7_780)
-            probes = GroupSpec("beside", BESIDE_PROBES, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1,
-                               start_delay_s=BESIDE_DELAY_S, seed=7_781)
-            beside = asyncio.run(run_load(target, [background, probes], time_limit_s=300))
-        ok = [r for r in res.records if r.ok]
-        if len(ok) < SERVED_REQUESTS // 2:
-            raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
-                               f"{res.errors[:3]}")
-        # the path's own cost is the floor: a request slowed by a neighbour on a shared host says
-        # nothing about the path, so the quickest first token and the quickest request's gaps count
-        ttft = min(r.token_times[0] - r.sent for r in ok)
-        itl = min(statistics.median(gaps(r.token_times)) for r in ok if len(r.token_times) > 1)
-        first = engines[str(roles[first_role])].prefill_step_s(SERVED_PROMPT)
-        dec_eng = engines[str(roles["colocated" if mode == "colocated" else "decode"])]
-        step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
-        itl_over = max(0.0, itl - step)
-        steady = [g for r in busy.records if r.ok for g in gaps(r.token_times)[1:]]
-        step_x, busy_how = 1.0, ""
-        if steady:
-            busy_gap = statistics.median(steady)
-            busy_step = dec_eng.decode_step_s(BUSY_STREAMS, BUSY_STREAMS * (SERVED_PROMPT + BUSY_OUT / 2))
-            step_x = max(1.0, (busy_gap - itl_over) / busy_step)
-            busy_how = (f"; {BUSY_STREAMS} streams at once: token gap median {busy_gap * 1e3:.1f} ms against a "
-                        f"{busy_step * 1e3:.1f} ms decode step at that batch: engine steps x{step_x:.2f} served")
-        over_busy, beside_how = None, ""
-        # the probes that arrived while the whole background was still decoding
-        bg = [r for r in beside.records if r.group == "background" and r.ok]
-        bg_end = min((r.token_times[-1] for r in bg), default=0.0)
-        probe_ttfts = [r.token_times[0] - r.sent for r in beside.records
-                       if r.group == "beside" and r.ok and r.token_times[-1] < bg_end]
-        if len(bg) == BUSY_STREAMS - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
-            ctx = (BUSY_STREAMS - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
-            if mode == "colocated":
-                busy_first = dec_eng.mixed_step_s(BUSY_STREAMS - 1, ctx, SERVED_PROMPT) * step_x
-            else:
-                busy_first = first * float((corun or {}).get("prefill_x", 1.0))
-            over_busy = max(0.0, statistics.median(probe_ttfts) - busy_first)
-            beside_how = (f"; {len(probe_ttfts)} requests beside {BUSY_STREAMS - 1} decoding streams: TTFT median "
-                          f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
-                          f"first step there")
-        out[mode] = ServingProfile(
-            ttft_overhead_s=max(0.0, ttft - first), itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
-            step_x=step_x, start_s=server.start_s,
-            how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: quickest TTFT "
-                f"{ttft * 1e3:.0f} ms against a {first * 1e3:.0f} ms prefill step; quickest median token gap "
-                f"{itl * 1e3:.1f} ms against a {step * 1e3:.1f} ms decode step{busy_how}{beside_how}")
-        logger.info("served %s: %s", mode, out[mode].how)
+            out[mode] = measure_served(server, mode, model_dir, engines, roles, corun)
     return out
+
+
+def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
+                   corun: dict | None = None, seed: int = 7_777) -> ServingProfile:
+    """A running ``pdserve up`` of ``mode`` against the profiled engine steps:
+
+    * lone requests, one at a time: the engines' own prefill times in their phase records against
+      the profiled prefill step (``prefill_x``), and what the client waits beyond them for a first
+      token (``ttft_overhead_s``);
+    * waves of ``BUSY_STREAMS`` streams: their steady token gaps against the profiled decode step
+      at that batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the
+      host since the profile); ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one
+      sequence's decode step only when no busy gap was measured;
+    * requests one at a time beside ``BUSY_STREAMS - 1`` decoding streams: what a first token
+      pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``).
+
+    ``pdserve profile`` calls it once per mode; ``bench simulate`` again on the server under test,
+    just before each load, with a fresh ``seed`` (new prompts, so no prefix is cached)."""
+    import asyncio
+
+    from pdserve.bench.serve_load import GroupSpec, Target, run_load
+    from pdserve.bench.serve_stats import gaps
+
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    first_role = "colocated" if mode == "colocated" else "prefill"
+    target = Target("openai", server.url, server.served_model, vocab_size=vocab)
+    warm = GroupSpec("warm", 2, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1, seed=seed)
+    asyncio.run(run_load(target, [warm], time_limit_s=120))
+    group = GroupSpec("lone", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=SERVED_OUT,
+                      concurrency=1, seed=seed + 1)
+    res = asyncio.run(run_load(target, [group], time_limit_s=180))
+    busy_group = GroupSpec("busy", 2 * BUSY_STREAMS, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
+                           concurrency=BUSY_STREAMS, seed=seed + 2)
+    busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
+    background = GroupSpec("background", BUSY_STREAMS - 1, prompt_len=SERVED_PROMPT,
+                           output_len=BESIDE_BACKGROUND_OUT, concurrency=BUSY_STREAMS - 1, seed=seed + 3)
+    probes = GroupSpec("beside", BESIDE_PROBES, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1,
+                       start_delay_s=BESIDE_DELAY_S, seed=seed + 4)
+    beside = asyncio.run(run_load(target, [background, probes], time_limit_s=300))
+    ok = [r for r in res.records if r.ok]
+    if len(ok) < SERVED_REQUESTS // 2:
+        raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
+                           f"{res.errors[:3]}")
+    first = engines[str(roles[first_role])].prefill_step_s(SERVED_PROMPT)
+    dec_eng = engines[str(roles["colocated" if mode == "colocated" else "decode"])]
+    # prefill: the engines' own record of each lone prompt's step, and the client's wait beyond it
+    ttfts = [r.token_times[0] - r.sent for r in ok]
+    timed = [r for r in ok if r.phase and (r.phase.get("prefill_s") or 0) > 0]
+    prefill_x, ttft_over, pre_how = None, max(0.0, min(ttfts) - first), ""
+    if len(timed) >= SERVED_REQUESTS // 2:
+        served_prefill = statistics.median(r.phase["prefill_s"] for r in timed)
+        prefill_x = served_prefill / first
+        ttft_over = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["prefill_s"] for r in timed))
+        pre_how = f" (served prefill {served_prefill * 1e3:.0f} ms: x{prefill_x:.2f})"
+    # decode: the steady gaps of BUSY_STREAMS streams at once are decode steps at that batch
+    steady = [g for r in busy.records if r.ok for g in gaps(r.token_times)[1:]]
+    lone_gap = statistics.median(statistics.median(gaps(r.token_times)) for r in ok if len(r.token_times) > 1)
+    step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
+    step_x, busy_how = 1.0, ""
+    if steady:
+        busy_gap = statistics.median(steady)
+        busy_step = dec_eng.decode_step_s(BUSY_STREAMS, BUSY_STREAMS * (SERVED_PROMPT + BUSY_OUT / 2))
+        step_x = busy_gap / busy_step
+        busy_how = (f"; {BUSY_STREAMS} streams at once: token gap median {busy_gap * 1e3:.1f} ms against a "
+                    f"{busy_step * 1e3:.1f} ms decode step at that batch: decode steps x{step_x:.2f} served")
+    # a per-token overhead beyond the steps only where no busy measurement gave the step factor:
+    # with one, the busy gaps (where loads run) are matched by the steps alone, and a lone stream's
+    # own gaps (on this host sometimes slower than eight streams' at once) would only add to them
+    itl_over = max(0.0, lone_gap - step_x * step) if not steady else 0.0
+    p_x = step_x if prefill_x is None else prefill_x
+    over_busy, beside_how = None, ""
+    # the probes that arrived while the whole background was still decoding
+    bg = [r for r in beside.records if r.group == "background" and r.ok]
+    bg_end = min((r.token_times[-1] for r in bg), default=0.0)
+    probes_in = [r for r in beside.records if r.group == "beside" and r.ok and r.token_times[-1] < bg_end]
+    probe_ttfts = [r.token_times[0] - r.sent for r in probes_in]
+    corun_prefill_x = corun_decode_x = None
+    corun_how = ""
+    if mode == "disaggregated" and len(bg) == BUSY_STREAMS - 1 and prefill_x is not None:
+        # one host, as served: the background's token gaps while a probe's prefill computed on
+        # the other core (its engine's prefill time before its first token) against the gaps of
+        # the same streams while it did not; and the probes' prefills against the lone ones
+        busy_spans = [(r.token_times[0] - r.phase["prefill_s"], r.token_times[0]) for r in probes_in
+                      if r.phase and (r.phase.get("prefill_s") or 0) > 0]
+        first_probe = min((r.sent for r in probes_in), default=bg_end)
+        beside_gaps, apart_gaps = [], []
+        for r in bg:
+            for a, b in zip(r.token_times[1:], r.token_times[2:]):
+                if a < first_probe or b > bg_end:
+                    continue
+                (beside_gaps if any(a < hi and b > lo for lo, hi in busy_spans) else apart_gaps).append(b - a)
+        if len(busy_spans) >= BESIDE_PROBES // 2 and len(beside_gaps) >= 20 and len(apart_gaps) >= 20:
+            corun_decode_x = statistics.median(beside_gaps) / statistics.median(apart_gaps)
+            corun_prefill_x = statistics.median(hi - lo for lo, hi in busy_spans) / (prefill_x * first)
+            corun_how = (f"; on one host: decode gaps {statistics.median(beside_gaps) * 1e3:.1f} ms while the "
+                         f"prefill worker computed, {statistics.median(apart_gaps) * 1e3:.1f} ms while not "
+                         f"(x{corun_decode_x:.2f}), prefills beside decoding x{corun_prefill_x:.2f}")
+    if len(bg) == BUSY_STREAMS - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
+        ctx = (BUSY_STREAMS - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
+        if mode == "colocated":
+            # a mixed step (the batch's decode plus the prompt beyond one token), after the rest of
+            # the decode step running when the request came: half of one, on average. The simulator
+            # runs both itself, so neither is overhead.
+            running = step_x * dec_eng.decode_step_s(BUSY_STREAMS - 1, ctx)
+            extra = max(0.0, p_x * first - step_x * dec_eng.decode_step_s(1, dec_eng.decode_ctx))
+            busy_first = running / 2 + running + extra
+        else:
+            busy_first = p_x * first * (corun_prefill_x if corun_prefill_x is not None
+                                        else float((corun or {}).get("prefill_x", 1.0)))
+        over_busy = max(0.0, statistics.median(probe_ttfts) - busy_first)
+        beside_how = (f"; {len(probe_ttfts)} requests beside {BUSY_STREAMS - 1} decoding streams: TTFT median "
+                      f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
+                      f"first step there")
+    served = ServingProfile(
+        ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
+        step_x=step_x, prefill_x=prefill_x, corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
+        start_s=server.start_s,
+        how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: TTFT median "
+            f"{statistics.median(ttfts) * 1e3:.0f} ms against a {first * 1e3:.0f} ms profiled prefill step{pre_how}; "
+            f"median token gap {lone_gap * 1e3:.1f} ms against a {step * 1e3:.1f} ms decode step{busy_how}{beside_how}"
+            f"{corun_how}")
+    logger.info("served %s: %s", mode, served.how)
+    return served
 
 
 def speed_probe(repeats: int = 7) -> float:
@@ -403,7 +462,10 @@ def format_profile(p: Profile) -> str:
     for mode, sp in p.serving.items():
         busy = (f" (+{sp.ttft_overhead_busy_s * 1e3:.0f} ms beside decoding streams)"
                 if sp.ttft_overhead_busy_s is not None else "")
-        lines.append(f"served {mode}: +{sp.ttft_overhead_s * 1e3:.0f} ms to a first token{busy}, "
+        steps = f"decode steps x{sp.step_x:.2f}" + (f", prefill x{sp.prefill_x:.2f}" if sp.prefill_x else "")
+        if sp.corun_decode_x is not None:
+            steps += f" (one host: decode x{sp.corun_decode_x:.2f} beside a prefill, prefill x{sp.corun_prefill_x:.2f})"
+        lines.append(f"served {mode}: {steps}, +{sp.ttft_overhead_s * 1e3:.0f} ms to a first token{busy}, "
                      f"+{sp.itl_overhead_s * 1e3:.1f} ms to a token gap; pdserve up {sp.start_s:.0f} s ({sp.how})")
     return "\n".join(lines)
 

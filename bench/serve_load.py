@@ -64,6 +64,7 @@ class GroupSpec:
     start_delay_s: float = 0.0
     trace: str | Path | None = None       # JSONL: {"prompt_len", "output_len"} or {"prompt", "output_len"}
     seed: int = 0
+    arrival_seed: int | None = None       # Poisson arrival times from this seed (default: ``seed``)
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -318,7 +319,7 @@ async def _run_group(client, group: GroupSpec, items: list[_Item], out: list[Req
 
         await asyncio.gather(*(worker() for _ in range(min(group.concurrency, len(items)))))
         return
-    rng = random.Random(f"arrivals-{group.seed}")
+    rng = random.Random(f"arrivals-{group.seed if group.arrival_seed is None else group.arrival_seed}")
     tasks = []
     for i, item in enumerate(items):
         if i:

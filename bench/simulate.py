@@ -13,9 +13,14 @@
    one are loaded alike; ``--rates`` gives requests/s instead.
 3. The same requests simulated: the arrival times the client really used, the same lengths,
    the same shape. This host is shared and its speed drifts by tens of percent within minutes,
-   so before each load a one-thread CPU probe (``bench/profile.py``'s ``speed_probe``, also taken
-   when the profile was) scales the profile's step times to the host's speed now; the errors of
-   the unscaled profile are reported too (``sim_error_*_unscaled``).
+   more than a one-thread CPU probe follows (it is still read and kept, ``speed_factors``), so
+   the profile is carried to the present by measuring its served figures again on the server
+   under test just before each load (``measure_served``, as ``pdserve profile`` measures them:
+   lone requests, waves of 8 streams, requests beside decoding streams; ~20 s): the prefill and
+   decode step factors against the profiled steps, and the served overheads. The engine's costs
+   by size (prompt length, batch, context) stay the profile's. ``--recalibrate mode`` measures
+   once per mode, ``off`` never; the errors of the profile as it was taken are reported too
+   (``sim_error_*_unscaled``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them); with
    ``--repeats 2`` or more, each load runs that many times and ``real_spread_*`` says how far
@@ -32,6 +37,7 @@ import datetime as _dt
 import json
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +83,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit-s", type=float, default=300.0, help="each load stops by itself after this")
     p.add_argument("--skip-1m", action="store_true", help="do not time the 1,000,000-request simulation")
+    p.add_argument("--recalibrate", choices=("load", "mode", "off"), default="load",
+                   help="measure the served figures (step factors, overheads) again on the server under test: "
+                        "before every load (default), once per mode, or never (the profile as it was taken)")
     p.add_argument("--repeats", type=int, default=1, help="real loads per mode and rate (the same arrivals); with 2+, "
                    "the real runs' own spread is reported beside the simulator's error")
 
@@ -122,6 +131,11 @@ def real_figures(records: list) -> dict:
     if phases:
         out["phase_p50"] = {k: float(np.median([p.get(k) or 0.0 for p in phases]))
                             for k in ("queue_s", "prefill_s", "ttft_s", "kv_transfer_s", "kv_exposed_s")}
+        # the mean gap between a request's tokens as the cluster timed them (its decode time over its
+        # gaps: the engine's own in colocated mode; the router's, from the first token, disaggregated)
+        per = [p["decode_s"] / (p["output_tokens"] - 1) for p in phases
+               if (p.get("output_tokens") or 0) > 1 and p.get("decode_s")]
+        out["phase_p50"]["decode_gap_s"] = float(np.median(per)) if per else 0.0
     return out
 
 
@@ -166,7 +180,7 @@ def time_1m(profile) -> dict:
 
 def run_bench(args: argparse.Namespace) -> dict:
     from pdserve.bench.hw import cpu_model
-    from pdserve.bench.profile import format_profile, run_profile, speed_probe
+    from pdserve.bench.profile import format_profile, measure_served, run_profile, speed_probe
     from pdserve.bench.serve_load import GroupSpec, Target, run_load
     from pdserve.bench.servers import Server
     from pdserve.capacity.profile import Profile
@@ -189,35 +203,58 @@ def run_bench(args: argparse.Namespace) -> dict:
     itl_target_s = 0.1   # slo.itl_ms's default: the decode workers' ITL budget
     runs = []
     capacities: dict[str, float] = {}
+    calibrations: dict[str, dict] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r} (colocated, disaggregated)")
         sets = ["planner.enabled=false", f"model.dtype={profile.model['dtype']}"]
         if mode == "disaggregated":
             sets.append("router.disaggregation.mode=always")
-        if args.rates:
-            rates = list(args.rates)
-        else:
-            capacity = capacity_rate(profile, mode, args.prompt_len, args.output_len, itl_target_s)
-            rates = [round(f * capacity, 2) for f in args.load]
-            capacities[mode] = capacity
-            print(f"{mode}: the profile serves up to {capacity:.2f} requests/s of this traffic; loads at "
-                  + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
         with Server(MODES[mode], model_dir, port=args.port, extra_set=sets) as server:
             target = Target("openai", server.url, server.served_model, vocab_size=vocab)
             warm = GroupSpec("warm", 4, prompt_len=args.prompt_len, output_len=8, concurrency=2, seed=99_999)
             asyncio.run(run_load(target, [warm], time_limit_s=120))
+            mode_calibrations: list[dict] = []
+
+            def calibrate() -> Profile:
+                """The served figures measured again on this server now (fresh prompts each time)."""
+                if args.recalibrate == "off" or mode not in profile.serving:
+                    return profile
+                seed = 50_000 + 10 * len(mode_calibrations)
+                served = measure_served(server, mode, model_dir, profile.engines, profile.roles, profile.corun,
+                                        seed=seed)
+                served.start_s = profile.serving[mode].start_s
+                mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served)})
+                print(f"{mode}: served again: decode steps x{served.step_x:.2f}, prefill x"
+                      f"{served.prefill_x or served.step_x:.2f} of the profile's ({served.how})", flush=True)
+                return profile.with_serving(mode, served)
+
+            mode_profile = calibrate()
+            if args.rates:
+                rates = list(args.rates)
+            else:
+                capacity = capacity_rate(mode_profile, mode, args.prompt_len, args.output_len, itl_target_s)
+                rates = [round(f * capacity, 2) for f in args.load]
+                capacities[mode] = capacity
+                print(f"{mode}: the profile, as served now, serves up to {capacity:.2f} requests/s of this traffic;"
+                      " loads at " + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
+            first = True
             for i, rate in enumerate(rates):
-                group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
-                                  rate=rate, seed=args.seed + i)
                 reals, sims, plain, factors = [], [], [], []
-                for _ in range(max(1, args.repeats)):
-                    # this host's speed now against when the profile was taken (the server is idle)
-                    factor = speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0
-                    factors.append(factor)
+                for rep in range(max(1, args.repeats)):
+                    if args.recalibrate == "load" and not first:
+                        mode_profile = calibrate()
+                    first = False
+                    # the one-thread CPU probe against the profile's, for the record: it has not
+                    # tracked the engine's own speed on this host, so nothing is scaled by it
+                    factors.append(speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0)
+                    # the same arrivals with fresh prompts for every repeat (a prefix cached by the last
+                    # one would shorten prefills): how far repeats differ is then the host's own noise
+                    group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
+                                      rate=rate, seed=args.seed + i + 1000 * rep, arrival_seed=args.seed + i)
                     result = asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s))
                     reals.append(real_figures(result.records))
-                    sims.append(sim_figures(profile.scaled(factor), mode, result.records, itl_target_s))
+                    sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s))
                 real = {m: float(np.mean([r[m] for r in reals])) for m in METRICS}
                 if "phase_p50" in reals[0]:
@@ -225,13 +262,15 @@ def run_bench(args: argparse.Namespace) -> dict:
                     print(f"{mode:13s} {rate:5.2f} req/s  the cluster's phase records, medians: queue "
                           f"{ph['queue_s'] * 1e3:.0f} ms, prefill {ph['prefill_s'] * 1e3:.0f} ms, TTFT "
                           f"{ph['ttft_s'] * 1e3:.0f} ms, KV transfer {ph['kv_transfer_s'] * 1e3:.0f} ms "
-                          f"({ph['kv_exposed_s'] * 1e3:.0f} ms exposed)", flush=True)
+                          f"({ph['kv_exposed_s'] * 1e3:.0f} ms exposed), mean token gap "
+                          f"{ph['decode_gap_s'] * 1e3:.0f} ms", flush=True)
                 sim = {m: float(np.mean([x[m] for x in sims])) for m in METRICS}
                 sim_plain = {m: float(np.mean([x[m] for x in plain])) for m in METRICS}
                 err = errors(real, sim)
                 run = {"mode": mode, "rate": rate,
                        "load_fraction": None if args.rates else args.load[i], "real": real, "sim": sim, "error": err,
                        "speed_factors": factors, "error_unscaled": errors(real, sim_plain),
+                       "served": asdict(mode_profile.serving_for(mode)),
                        "real_runs": reals, "sim_runs": sims}
                 if len(reals) > 1:   # how far one real run is from another: the floor under any model's error
                     run["real_spread"] = {m: (max(r[m] for r in reals) - min(r[m] for r in reals)) / real[m]
@@ -242,13 +281,14 @@ def run_bench(args: argparse.Namespace) -> dict:
                       f"{real['itl_p50'] * 1e3:5.0f}/{sim['itl_p50'] * 1e3:5.0f}  p99 {real['itl_p99'] * 1e3:5.0f}/"
                       f"{sim['itl_p99'] * 1e3:5.0f}  tok/s {real['throughput']:6.1f}/{sim['throughput']:6.1f}  "
                       f"errors " + " ".join(f"{k} {v:.2f}" for k, v in err.items() if v is not None)
-                      + f"  (host speed x{np.mean(factors):.2f} of the profile's)", flush=True)
+                      + f"  (CPU probe x{np.mean(factors):.2f} of the profile's)", flush=True)
+            calibrations[mode] = mode_calibrations
     out: dict = {"benchmark": "simulate", "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "host": cpu_model(), "model_dir": model_dir, "profile": profile.to_dict(),
                  "load": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                           "output_len": args.output_len, "rates": args.rates,
                           "load_fractions": None if args.rates else args.load,
-                          "capacity_rates": capacities}, "runs": runs}
+                          "capacity_rates": capacities}, "calibrations": calibrations, "runs": runs}
     for m in METRICS:
         vals = [r["error"][m] for r in runs if r["error"][m] is not None]
         out[f"sim_error_{m}"] = max(vals) if vals else None

@@ -127,6 +127,14 @@ class ServingProfile:
     # an engine step as served under load (8 streams) over the same step measured alone: the
     # serving stack's own CPU on the workers' cores; the simulator multiplies that mode's steps
     step_x: float = 1.0
+    # the same for prefill steps: the served prefill (the engines' own phase records of lone
+    # requests) over the profiled one; None: step_x stands for it
+    prefill_x: float | None = None
+    # disaggregated on one host, as served: a decode step while the prefill worker computes over
+    # one while it does not, and a prefill beside decoding streams over a lone one (the phase
+    # records); None: the profile's offline ``corun`` figures stand
+    corun_decode_x: float | None = None
+    corun_prefill_x: float | None = None
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 
@@ -197,18 +205,27 @@ class Profile:
         out.transfer = TransferProfile(self.transfer.overhead_s, gbps * 1e9 / 8, how=how)
         return out
 
-    def scaled(self, factor: float) -> Profile:
-        """This profile with every engine step ``factor`` times as long (served overheads and the
-        handoff unchanged)."""
-        if factor <= 0:
-            raise ProfileError(f"scale factor must be > 0, got {factor}")
+    def scaled(self, factor: float, prefill_factor: float | None = None) -> Profile:
+        """This profile with every decode step ``factor`` times as long and every prefill step
+        ``prefill_factor`` times (``factor`` when None); served overheads and the handoff unchanged."""
+        pf = factor if prefill_factor is None else prefill_factor
+        if factor <= 0 or pf <= 0:
+            raise ProfileError(f"scale factors must be > 0, got {factor} and {pf}")
         d = self.to_dict()
         for e in d["engines"].values():
-            e["prefill_s"] = [x * factor for x in e["prefill_s"]]
+            e["prefill_s"] = [x * pf for x in e["prefill_s"]]
+            e["attn_s_per_token_ctx"] *= pf
             e["decode_s"] = [x * factor for x in e["decode_s"]]
             e["decode_s_per_ctx_token"] *= factor
-            e["attn_s_per_token_ctx"] *= factor
         return Profile.from_dict(d)
+
+    def with_serving(self, mode: str, served: ServingProfile) -> Profile:
+        """This profile with ``mode``'s served overheads replaced (a fresh calibration)."""
+        if mode not in ("colocated", "disaggregated"):
+            raise ProfileError(f"served mode must be colocated or disaggregated, got {mode!r}")
+        out = Profile.from_dict(self.to_dict())
+        out.serving[mode] = ServingProfile(**asdict(served))
+        return out
 
     def serving_for(self, mode: str) -> ServingProfile:
         """The served overheads of a simulated mode ("conditional" runs the disaggregated path)."""

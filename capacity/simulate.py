@@ -194,14 +194,19 @@ class Simulator:
         corun = profile.corun if shape.shared_host and shape.mode != "colocated" else {}
         self.prefill_x = float(corun.get("prefill_x", 1.0))
         self.decode_x = float(corun.get("decode_x", 1.0))
+        if shape.shared_host and shape.mode != "colocated":   # as served, where measured
+            if served.corun_prefill_x is not None:
+                self.prefill_x = served.corun_prefill_x
+            if served.corun_decode_x is not None:
+                self.decode_x = served.corun_decode_x
         self.ttft_over = served.ttft_overhead_s
         # a first token while its decode worker has streams running pays the busy figure
         self.ttft_over_busy = (served.ttft_overhead_busy_s if served.ttft_overhead_busy_s is not None
                                else served.ttft_overhead_s)
         self.itl_over = served.itl_overhead_s
         # engine steps as served (the profile's served measurement under load; 1 without one)
-        if served.step_x != 1.0:
-            profile = profile.scaled(served.step_x)
+        if served.step_x != 1.0 or served.prefill_x not in (None, 1.0):
+            profile = profile.scaled(served.step_x, served.prefill_x)
             self.pe = profile.role("prefill")
             self.de = profile.role("colocated" if colocated else "decode")
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)

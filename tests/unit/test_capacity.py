@@ -270,6 +270,14 @@ def test_a_prefill_and_a_decode_worker_sharing_a_host_slow_each_other_by_the_pro
     extra = shared.e2e_s[0] - apart.e2e_s[0]
     # at most a quarter longer for as long as the prefill ran, plus the step it ends in
     assert 0 < extra <= 0.25 * 1.5 * pre.prefill_step_s(128) + 2 * dec.decode_step_s(2, 0)
+    # the served one-host factors, where measured, stand for the offline ones
+    served = prof.with_serving("disaggregated", ServingProfile(corun_prefill_x=2.0, corun_decode_x=1.25))
+    again = simulate(served, ClusterShape("disaggregated", 1, 1, itl_target_s=None, shared_host=True),
+                     *map(np.array, (args[0], args[1])), np.zeros(2, dtype=int), np.array(args[2]))
+    assert again.ttft_s[1] == pytest.approx(2.0 * pre.prefill_step_s(128))
+    apart_again = simulate(served, ClusterShape("disaggregated", 1, 1, itl_target_s=None),
+                           *map(np.array, (args[0], args[1])), np.zeros(2, dtype=int), np.array(args[2]))
+    assert apart_again.ttft_s[1] == pytest.approx(pre.prefill_step_s(128))   # only on a shared host
 
 
 def test_a_measured_or_assumed_link_becomes_the_handoff_term(tmp_path: Path) -> None:
@@ -303,6 +311,34 @@ def test_the_served_step_factor_stretches_that_modes_engine_steps_only() -> None
     d1 = run(plain, "disaggregated", [0.0], [100], [3])
     d2 = run(served, "disaggregated", [0.0], [100], [3])
     assert d1.e2e_s[0] == d2.e2e_s[0]
+
+
+def test_served_figures_measured_again_replace_only_that_modes_and_leave_the_profile_as_it_was() -> None:
+    prof = profile(serving={"colocated": ServingProfile(step_x=2.0), "disaggregated": ServingProfile(0.05)})
+    again = prof.with_serving("colocated", ServingProfile(ttft_overhead_s=0.01, step_x=1.5))
+    assert again.serving["colocated"].step_x == 1.5 and again.serving["colocated"].ttft_overhead_s == 0.01
+    assert again.serving["disaggregated"].ttft_overhead_s == 0.05
+    assert prof.serving["colocated"].step_x == 2.0                          # a copy, not the profile changed
+    a = run(prof, "colocated", [0.0], [100], [3])
+    b = run(again, "colocated", [0.0], [100], [3])
+    assert b.e2e_s[0] == pytest.approx(0.75 * a.e2e_s[0] + 0.01)           # the new factor and overhead
+    with pytest.raises(ProfileError, match="colocated or disaggregated"):
+        prof.with_serving("conditional", ServingProfile())
+
+
+def test_a_served_prefill_factor_scales_prefill_steps_and_the_step_factor_decode_steps() -> None:
+    plain = profile()
+    both = profile(serving={"disaggregated": ServingProfile(step_x=2.0, prefill_x=0.5)})
+    a = run(plain, "disaggregated", [0.0], [128], [5])
+    b = run(both, "disaggregated", [0.0], [128], [5])
+    assert b.ttft_s[0] - 0.5 * plain.role("prefill").prefill_step_s(128) == pytest.approx(
+        a.ttft_s[0] - plain.role("prefill").prefill_step_s(128))             # the handoff unchanged
+    handoff = plain.transfer.transfer_s(128 * plain.kv_bytes_per_token)   # before the first decode step
+    assert b.e2e_s[0] - b.ttft_s[0] - handoff == pytest.approx(2.0 * (a.e2e_s[0] - a.ttft_s[0] - handoff))
+    e = plain.scaled(2.0, 0.5).role("decode")
+    assert e.prefill_step_s(128) == pytest.approx(0.05) and e.decode_step_s(8, 8 * 64) == pytest.approx(0.06)
+    with pytest.raises(ProfileError, match="> 0"):
+        plain.scaled(1.0, 0.0)
 
 
 def test_a_first_token_beside_decoding_streams_pays_the_busy_served_overhead() -> None:
