@@ -371,6 +371,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        "but --json)")
     scale.add_argument("--streams", type=int, default=128, help="concurrent streams over the routers (default 128)")
     scale.add_argument("--seconds", type=float, default=20.0, help="measured seconds per router count (default 20)")
+    scale.add_argument("--ingress", default="actors", help="actors (the router actors), serve (Ray Serve's bare "
+                       "streaming path, bench/serve_ingress.py; needs ray[serve]) or actors,serve side by side")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -110,8 +110,11 @@ class ScaleSettings:
     max_tokens: int = 64
     workers: int = 2
     step_s: float = 0.01
+    ingress: tuple[str, ...] = ("actors",)   # "actors" (RouterActor), "serve" (bench/serve_ingress.py)
 
     def __post_init__(self) -> None:
+        if not self.ingress or set(self.ingress) - {"actors", "serve"}:
+            raise ValueError(f"--ingress takes actors, serve or both (comma-separated), got {','.join(self.ingress)}")
         if not self.routers or min(self.routers) < 1 or max(self.routers) > 8:
             raise ValueError(f"--routers takes router counts in [1, 8], got {self.routers}")
         if not 1 <= self.streams <= 512 or not 1 <= self.seconds <= 600 or not 4 <= self.max_tokens <= 4096:
@@ -180,7 +183,6 @@ def run_scale(st: ScaleSettings) -> dict:
     from pdserve.cluster.config_io import apply_overrides, config_from_model
     from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
     from pdserve.cluster.redis_server import EmbeddedRedis, connect
-    from pdserve.cluster.router_actor import start_router_actors, stop_router_actors
     from pdserve.cluster.worker_registry import WorkerRecord, WorkerRegistry
     from pdserve.engine.testmodel import ensure_model
 
@@ -215,35 +217,29 @@ def run_scale(st: ScaleSettings) -> dict:
                 registry.add(WorkerRecord(wid, "decode", f"pdserve-decode-{wid}", namespace))
             worker_pids = [ray.get(actor.stats.remote(), timeout=60).pid for actor in workers]
             client_pid = pool.submit(os.getpid).result(60)
-            for n in st.routers:
-                config = apply_overrides(base, {"router.replicas": n + 1})  # router i = 1..n on free ports
-                routers = start_router_actors(config, redis_server.address_url, password, detached=False,
-                                              name_prefix=f"pdserve-bench-router-{n}-")
-                try:
-                    spec = {"urls": [ep["http_url"] for _, ep in routers], "model": config.model.served_name,
-                            "streams": st.streams, "seconds": st.seconds, "warmup_s": st.warmup_s,
-                            "max_tokens": st.max_tokens}
-                    pids = {"routers": [ep["pid"] for _, ep in routers], "workers": worker_pids,
-                            "client": [client_pid], "bench_driver": [os.getpid()]}
-                    with CpuSampler(pids) as sampler:
-                        out = pool.submit(client_process, spec).result(st.seconds + st.warmup_s + 180)
-                finally:
-                    stop_router_actors([actor for actor, _ in routers])
-                tokens = max(0, out["events"] - 2 * out["requests"])  # each stream's role and closing events
-                cpu = sampler.window(*out["window"])
-                row = {"routers": n, "tokens_per_s": tokens / out["wall_s"], "events": out["events"],
-                       "requests": out["requests"], "errors": out["errors"], "client_cpu_s": out["client_cpu_s"],
-                       "wall_s": out["wall_s"], "cpu": cpu,
-                       "router_cpu_ms_per_token": 1000 * cpu["routers"] / max(1, tokens),
-                       "router_cores": cpu["routers"] / cpu["span_s"]}
-                logger.info("%d router(s): %.0f tokens/s, routers %.2f cores, host %.0f%% busy", n,
-                            row["tokens_per_s"], row["router_cores"], 100 * cpu["host_busy_frac"])
-                levels.append(row)
+            serve_ingress = None
+            if "serve" in st.ingress:
+                from pdserve.bench.serve_ingress import ServeIngress
+
+                serve_ingress = ServeIngress(base.model.served_name, st.step_s, st.streams).__enter__()
+            try:
+                for n in st.routers:
+                    for ingress in st.ingress:
+                        if ingress == "actors":
+                            row = _actors_level(st, n, base, redis_server, password, pool, worker_pids, client_pid)
+                        else:
+                            row = _serve_level(st, n, serve_ingress, pool, client_pid)
+                        logger.info("%s, %d router(s): %.0f tokens/s, routers %.2f cores, host %.0f%% busy", ingress,
+                                    n, row["tokens_per_s"], row["router_cores"], 100 * row["cpu"]["host_busy_frac"])
+                        levels.append(row)
+            finally:
+                if serve_ingress is not None:
+                    serve_ingress.__exit__(None, None, None)
     finally:
         for actor in workers:
             ray.kill(actor, no_restart=True)
         ray.shutdown()
-    by_n = {row["routers"]: row["tokens_per_s"] for row in levels}
+    by_n = {row["routers"]: row["tokens_per_s"] for row in levels if row["ingress"] == "actors"}
     result = {
         "benchmark": "router-scale",
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -255,28 +251,98 @@ def run_scale(st: ScaleSettings) -> dict:
     }
     if 1 in by_n and 3 in by_n and by_n[1] > 0:
         result["routers_3_over_1"] = by_n[3] / by_n[1]
+    serve = {row["routers"]: row for row in levels if row["ingress"] == "serve"}
+    actors = {row["routers"]: row for row in levels if row["ingress"] == "actors"}
+    both = sorted(set(serve) & set(actors))
+    if both:   # Ray Serve's bare path against the whole router actor, side by side in this run
+        result["serve_over_actors"] = {str(n): {
+            "tokens_per_s": serve[n]["tokens_per_s"] / max(1e-9, actors[n]["tokens_per_s"]),
+            "cpu_ms_per_token": serve[n]["router_cpu_ms_per_token"] / max(1e-9, actors[n]["router_cpu_ms_per_token"]),
+        } for n in both}
     return result
+
+
+def _measure(st: ScaleSettings, pool, urls: list[str], model: str, pids: dict[str, list[int]],
+             ingress_groups: tuple[str, ...]) -> dict:
+    """The closed-loop client against ``urls``, with every named process's CPU sampled; the CPU
+    of ``ingress_groups`` is the routers' (what a token costs the ingress)."""
+    spec = {"urls": urls, "model": model, "streams": st.streams, "seconds": st.seconds, "warmup_s": st.warmup_s,
+            "max_tokens": st.max_tokens}
+    with CpuSampler(pids) as sampler:
+        out = pool.submit(client_process, spec).result(st.seconds + st.warmup_s + 180)
+    tokens = max(0, out["events"] - 2 * out["requests"])  # each stream's closing events
+    cpu = sampler.window(*out["window"])
+    router_cpu = sum(cpu[g] for g in ingress_groups)
+    return {"tokens_per_s": tokens / out["wall_s"], "events": out["events"], "requests": out["requests"],
+            "errors": out["errors"], "client_cpu_s": out["client_cpu_s"], "wall_s": out["wall_s"], "cpu": cpu,
+            "router_cpu_ms_per_token": 1000 * router_cpu / max(1, tokens), "router_cores": router_cpu / cpu["span_s"]}
+
+
+def _actors_level(st: ScaleSettings, n: int, base, redis_server, password: str, pool, worker_pids: list[int],
+                  client_pid: int) -> dict:
+    """``n`` router actors (as ``router.replicas`` starts them) over the synthetic workers."""
+    from pdserve.cluster.config_io import apply_overrides
+    from pdserve.cluster.router_actor import start_router_actors, stop_router_actors
+
+    config = apply_overrides(base, {"router.replicas": n + 1})  # router i = 1..n on free ports
+    routers = start_router_actors(config, redis_server.address_url, password, detached=False,
+                                  name_prefix=f"pdserve-bench-router-{n}-")
+    try:
+        pids = {"routers": [ep["pid"] for _, ep in routers], "workers": worker_pids,
+                "client": [client_pid], "bench_driver": [os.getpid()]}
+        row = _measure(st, pool, [ep["http_url"] for _, ep in routers], config.model.served_name, pids,
+                       ("routers",))
+    finally:
+        stop_router_actors([actor for actor, _ in routers])
+    return {"ingress": "actors", "routers": n, **row}
+
+
+def _serve_level(st: ScaleSettings, n: int, serve_ingress, pool, client_pid: int) -> dict:
+    """Ray Serve's proxy and ``n`` replicas of the bare streaming deployment."""
+    from pdserve.bench.serve_ingress import serve_pids
+
+    url = serve_ingress.deploy(n)
+    try:
+        found = serve_pids()
+        if len(found["serve_replicas"]) != n or len(found["serve_proxy"]) != 1:
+            raise RuntimeError(f"expected {n} Serve replica processes and one proxy, found {found}")
+        pids = {**found, "client": [client_pid], "bench_driver": [os.getpid()]}
+        row = _measure(st, pool, [url], serve_ingress.model, pids, ("serve_replicas", "serve_proxy"))
+    finally:
+        serve_ingress.undeploy()
+    return {"ingress": "serve", "routers": n, **row}
 
 
 def format_scale(r: dict) -> str:
     lines = [f"host: {r['host']['cpu']} ({r['host']['cpu_count']} CPUs)",
-             f"{'routers':>7s} {'tokens/s':>9s} {'requests':>8s} {'errors':>6s} {'client CPU s':>12s} "
+             f"{'ingress':>7s} {'routers':>7s} {'tokens/s':>9s} {'requests':>8s} {'errors':>6s} {'client CPU s':>12s} "
              f"{'router cores':>12s} {'router ms/token':>15s} {'host busy':>9s} "
-             f"{'CPU s: routers/workers/client/rest':>35s}"]
+             "  CPU s by process group"]
     for row in r["levels"]:
-        line = (f"{row['routers']:7d} {row['tokens_per_s']:9.0f} {row['requests']:8d} {row['errors']:6d} "
-                f"{row['client_cpu_s']:12.1f}")
+        line = (f"{row.get('ingress', 'actors'):>7s} {row['routers']:7d} {row['tokens_per_s']:9.0f} "
+                f"{row['requests']:8d} {row['errors']:6d} {row['client_cpu_s']:12.1f}")
         if "cpu" in row:
             c = row["cpu"]
             line += (f" {row['router_cores']:12.2f} {row['router_cpu_ms_per_token']:15.3f} "
                      f"{100 * c['host_busy_frac']:8.0f}% "
-                     f"{c['routers']:>10.1f}/{c['workers']:.1f}/{c['client']:.1f}/{c['rest_of_host']:.1f}")
+                     + "  " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()
+                                        if k not in ("host_busy", "host_busy_frac", "span_s")))
         lines.append(line)
     if "routers_3_over_1" in r:
         lines.append(f"routers_3_over_1 = {r['routers_3_over_1']:.2f} (aim >= 2.5 with a core per router)")
+    for n, ratio in r.get("serve_over_actors", {}).items():
+        lines.append(f"{n} router(s): Ray Serve's bare path / router actors: tokens/s x{ratio['tokens_per_s']:.2f}, "
+                     f"CPU per token x{ratio['cpu_ms_per_token']:.2f}")
     return "\n".join(lines)
 
 
 def settings_from_args(args: argparse.Namespace) -> ScaleSettings:
     routers = tuple(int(x) for x in str(args.routers).split(",") if x.strip())
-    return ScaleSettings(routers=routers, streams=args.streams, seconds=args.seconds)
+    ingress = tuple(x.strip() for x in str(getattr(args, "ingress", "actors")).split(",") if x.strip())
+    if "serve" in ingress:
+        from pdserve.bench.serve_ingress import serve_available
+
+        missing = serve_available()
+        if missing:
+            raise ValueError(missing)
+    return ScaleSettings(routers=routers, streams=args.streams, seconds=args.seconds, ingress=ingress)

@@ -69,4 +69,31 @@ def test_router_scale_reads_where_the_cpu_went() -> None:
     from pdserve.bench.router_scale import format_scale
 
     text = format_scale({"host": {"cpu": "cpu", "cpu_count": 2}, "levels": [text_row]})
-    assert "0.95" in text and "97%" in text and "1.0/0.5/0.4/0.1" in text
+    assert "0.95" in text and "97%" in text and "routers 1.0, workers 0.5, client 0.4, rest_of_host 0.1" in text
+
+
+def test_ray_serve_ingress_is_compared_side_by_side_or_refused_with_what_to_install() -> None:
+    import importlib.util
+
+    from pdserve.bench.router_scale import ScaleSettings, format_scale, settings_from_args
+    from pdserve.bench.serve_ingress import serve_available
+
+    with pytest.raises(ValueError, match="--ingress"):
+        ScaleSettings(ingress=("actors", "gateway"))
+    with pytest.raises(ValueError, match="--ingress"):
+        ScaleSettings(ingress=())
+    have_serve = importlib.util.find_spec("starlette") is not None
+    missing = serve_available()
+    assert (missing is None) == have_serve
+    namespace = argparse.Namespace(routers="1", streams=8, seconds=5.0, ingress="actors,serve")
+    if missing:
+        assert 'pip install "ray[serve]==' in missing
+        with pytest.raises(ValueError, match="Ray Serve is not installed"):
+            settings_from_args(namespace)
+    else:
+        assert settings_from_args(namespace).ingress == ("actors", "serve")
+    row = {"routers": 1, "tokens_per_s": 100.0, "requests": 1, "errors": 0, "client_cpu_s": 0.1}
+    text = format_scale({"host": {"cpu": "cpu", "cpu_count": 2}, "levels": [
+        {**row, "ingress": "actors"}, {**row, "ingress": "serve", "tokens_per_s": 40.0}],
+        "serve_over_actors": {"1": {"tokens_per_s": 0.4, "cpu_ms_per_token": 3.1}}})
+    assert "tokens/s x0.40, CPU per token x3.10" in text and "  serve" in text
