@@ -31,6 +31,7 @@ without the served part).
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as _dt
 import json
 import logging
@@ -210,6 +211,7 @@ def profile_transfer(block_bytes: int, quick: bool) -> TransferProfile:
 SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
 BUSY_STREAMS, BUSY_OUT = 8, 48
 BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
+JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -284,6 +286,16 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     lone_gap = statistics.median(statistics.median(gaps(r.token_times)) for r in ok if len(r.token_times) > 1)
     step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
     step_x, busy_how = 1.0, ""
+    # the jitter: steady gaps in which no stream of the run arrived, got its first token or
+    # ended (the simulator runs those steps itself), over their median
+    marks = sorted(t for r in busy.records if r.ok for t in (r.sent, r.token_times[0], r.token_times[-1]))
+    clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
+             if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
+    itl_jitter = None
+    if len(clean) >= 2 * JITTER_QUANTILES:
+        ratios = sorted(g / statistics.median(clean) for g in clean)
+        itl_jitter = [ratios[min(len(ratios) - 1, int((k + 0.5) / JITTER_QUANTILES * len(ratios)))]
+                      for k in range(JITTER_QUANTILES)]
     if steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(BUSY_STREAMS, BUSY_STREAMS * (SERVED_PROMPT + BUSY_OUT / 2))
@@ -341,6 +353,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
         step_x=step_x, prefill_x=prefill_x, corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
+        itl_jitter=itl_jitter,
         start_s=server.start_s,
         how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: TTFT median "
             f"{statistics.median(ttfts) * 1e3:.0f} ms against a {first * 1e3:.0f} ms profiled prefill step{pre_how}; "

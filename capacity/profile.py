@@ -135,6 +135,10 @@ class ServingProfile:
     # records); None: the profile's offline ``corun`` figures stand
     corun_decode_x: float | None = None
     corun_prefill_x: float | None = None
+    # the served token gaps of streams at a steady batch over their median, as equal-weight
+    # quantiles: the host's and the serving path's jitter, which the simulator's steps lack and
+    # which decides an ITL p99; None: not measured (gaps as simulated)
+    itl_jitter: list[float] | None = None
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 

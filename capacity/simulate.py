@@ -108,6 +108,9 @@ class SimResult:
     queued_at_end: int = 0
     notes: list[str] = field(default_factory=list)
     planner: dict | None = None     # what the simulated planner did (``--planner``)
+    # served token gaps over their median at a steady batch (equal-weight quantiles, the profile's
+    # ``ServingProfile.itl_jitter``): each simulated gap is spread by them in the ITL percentiles
+    itl_jitter: np.ndarray | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -119,8 +122,23 @@ class SimResult:
         order = np.argsort(self.itl_values, kind="stable")
         v, w = self.itl_values[order], self.itl_weights[order]
         cum = np.cumsum(w)
-        idx = int(np.searchsorted(cum, q / 100.0 * cum[-1], side="left"))
-        return float(v[min(idx, len(v) - 1)])
+        if self.itl_jitter is None or not len(self.itl_jitter):
+            idx = int(np.searchsorted(cum, q / 100.0 * cum[-1], side="left"))
+            return float(v[min(idx, len(v) - 1)])
+        # the mixture of every gap times each jitter ratio: the smallest x whose share of gaps
+        # (over all ratios alike) at or below it reaches q, by bisection
+        j = np.asarray(self.itl_jitter, dtype=float)
+        share = cum / cum[-1]
+
+        def below(x: float) -> float:
+            k = np.searchsorted(v, x / j, side="right")
+            return float(np.mean(np.where(k > 0, share[np.maximum(k - 1, 0)], 0.0)))
+
+        lo, hi, target = float(v[0] * j.min()) * 0.999, float(v[-1] * j.max()), q / 100.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if below(mid) >= target else (mid, hi)
+        return hi
 
     def summary(self) -> dict:
         def pct(xs: np.ndarray, q: float) -> float | None:
@@ -204,6 +222,7 @@ class Simulator:
         self.ttft_over_busy = (served.ttft_overhead_busy_s if served.ttft_overhead_busy_s is not None
                                else served.ttft_overhead_s)
         self.itl_over = served.itl_overhead_s
+        self.itl_jitter = np.array(served.itl_jitter, dtype=float) if served.itl_jitter else None
         # engine steps as served (the profile's served measurement under load; 1 without one)
         if served.step_x != 1.0 or served.prefill_x not in (None, 1.0):
             profile = profile.scaled(served.step_x, served.prefill_x)
@@ -625,7 +644,8 @@ class Simulator:
         return SimResult(requests=n, span_s=span, output_tokens=out_tokens, ttft_s=ttft_a, e2e_s=e2e_a,
                          itl_values=np.array(itl_v), itl_weights=np.array(itl_w),
                          wall_s=time.perf_counter() - t_wall, events=events, queued_at_end=n - len(done),
-                         notes=notes, planner=planner.run.summary() if planner is not None else None)
+                         notes=notes, planner=planner.run.summary() if planner is not None else None,
+                         itl_jitter=self.itl_jitter)
 
 
 def simulate(profile: Profile, shape: ClusterShape, arrivals: np.ndarray, prompt: np.ndarray,

@@ -378,3 +378,17 @@ def test_bench_simulate_loads_each_mode_at_a_fraction_of_what_its_profile_can_se
         assert 1.0 < cap < 100.0, (mode, cap)
         assert delivered(0.8 * cap) > 0.97, mode      # below capacity the output keeps up with the load
         assert delivered(1.5 * cap) < 0.9, mode       # well above it, it does not
+
+
+def test_the_served_jitter_spreads_the_simulated_gaps_in_the_itl_percentiles_only() -> None:
+    plain = profile()
+    jitter = [1.0] * 90 + [3.0] * 10          # one gap in ten three times its median
+    shaky = plain.with_serving("disaggregated", ServingProfile(itl_jitter=jitter))
+    args = ([0.0], [128], [200])
+    a = run(plain, "disaggregated", *args)
+    b = run(shaky, "disaggregated", *args)
+    assert b.e2e_s[0] == a.e2e_s[0] and b.output_tokens == a.output_tokens     # the timeline is the same
+    step = a.itl_percentile(50)
+    assert b.itl_percentile(50) == pytest.approx(step, rel=1e-6)
+    assert b.itl_percentile(95) == pytest.approx(3 * step, rel=1e-6)
+    assert a.itl_percentile(95) == pytest.approx(step, rel=1e-6)
