@@ -239,9 +239,11 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     * waves of ``BUSY_STREAMS`` streams: their steady token gaps against the profiled decode step
       at that batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the
       host since the profile); ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one
-      sequence's decode step only when no busy gap was measured;
+      sequence's decode step only when no busy gap was measured; their gaps in which no stream
+      arrived, started or ended, over their median, are the token-gap jitter (``itl_jitter``);
     * requests one at a time beside ``BUSY_STREAMS - 1`` decoding streams: what a first token
-      pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``).
+      pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``);
+      disaggregated, also the one-host factors as served (``corun_decode_x``, ``corun_prefill_x``).
 
     ``pdserve profile`` calls it once per mode; ``bench simulate`` again on the server under test,
     just before each load, with a fresh ``seed`` (new prompts, so no prefix is cached)."""

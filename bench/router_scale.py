@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import logging
 import os
@@ -217,12 +218,12 @@ def run_scale(st: ScaleSettings) -> dict:
                 registry.add(WorkerRecord(wid, "decode", f"pdserve-decode-{wid}", namespace))
             worker_pids = [ray.get(actor.stats.remote(), timeout=60).pid for actor in workers]
             client_pid = pool.submit(os.getpid).result(60)
-            serve_ingress = None
-            if "serve" in st.ingress:
-                from pdserve.bench.serve_ingress import ServeIngress
+            with contextlib.ExitStack() as stack:
+                serve_ingress = None
+                if "serve" in st.ingress:
+                    from pdserve.bench.serve_ingress import ServeIngress
 
-                serve_ingress = ServeIngress(base.model.served_name, st.step_s, st.streams).__enter__()
-            try:
+                    serve_ingress = stack.enter_context(ServeIngress(base.model.served_name, st.step_s, st.streams))
                 for n in st.routers:
                     for ingress in st.ingress:
                         if ingress == "actors":
@@ -232,9 +233,6 @@ def run_scale(st: ScaleSettings) -> dict:
                         logger.info("%s, %d router(s): %.0f tokens/s, routers %.2f cores, host %.0f%% busy", ingress,
                                     n, row["tokens_per_s"], row["router_cores"], 100 * row["cpu"]["host_busy_frac"])
                         levels.append(row)
-            finally:
-                if serve_ingress is not None:
-                    serve_ingress.__exit__(None, None, None)
     finally:
         for actor in workers:
             ray.kill(actor, no_restart=True)

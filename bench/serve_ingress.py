@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import socket
 import time
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 APP_NAME = "pdserve-bench-ingress"
 # the Serve processes, by the titles Ray gives its actors' processes
@@ -51,9 +48,6 @@ class SyntheticStreamIngress:
     def __init__(self, model: str, step_s: float) -> None:
         self.model = model
         self.step_s = step_s
-
-    def pid(self) -> int:
-        return os.getpid()
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
