@@ -473,12 +473,13 @@ class DisaggBackend:
         batch_tokens = len(prompt) if req.priority is Priority.BATCH else 0
         p_view.batch_inflight_tokens += batch_tokens
         try:
+            reserving_at = time.monotonic()  # D's reservation expires no sooner than a transfer timeout after this
             params_bytes = await self._reserve(attempt, d, len(prompt), req.deadline)
             await self._ledger_reserve(attempt, d, list(TransferParams.from_bytes(params_bytes).dst_blocks))
             if p not in self.pool.members:
                 raise WorkerLost(p, "left the pool before its prefill started")
             await self._ledger(LedgerState.TRANSFERRING, attempt, prefill_worker_id=p)
-            renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p))
+            renewer = asyncio.ensure_future(self._renew_while_prefilling(attempt, d, p, reserving_at))
             try:
                 res = await self._prefill_unless_decode_lost(
                     d, queue, self._call(p, lambda a: a.prefill.remote(attempt, prompt, params, params_bytes, req.priority)))
@@ -520,14 +521,21 @@ class DisaggBackend:
             raise _AttemptFailed(d, f"start on {d} failed: {exc}") from exc
         await self._ledger(LedgerState.DECODING, attempt)
 
-    async def _renew_while_prefilling(self, attempt: str, d: str, p: str) -> None:
+    async def _renew_while_prefilling(self, attempt: str, d: str, p: str, reserving_at: float) -> None:
         """A slow prefill is not a failed one: while it is queued or running, extend the decode
         side's reservation, then tell the prefill worker the new expiry (in that order, so the
         prefill side never may write later than the decode side waits). If this router dies the
-        renewals stop and both sides time out as before."""
+        renewals stop and both sides time out as before.
+
+        Each renewal is due a third of the timeout after the previous one was sent (the first:
+        after the reservation was asked for), on this router's own clock: the ledger steps
+        between the reservation and the prefill call, and slow renewal calls in a burst, use up
+        none of the other two thirds."""
         lease_renew_at = time.monotonic() + self.lease_s / 3
+        due = reserving_at + self.renew_interval_s
         while True:
-            await asyncio.sleep(self.renew_interval_s)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due = time.monotonic() + self.renew_interval_s
             if self.ledger is not None and time.monotonic() >= lease_renew_at:
                 lease_renew_at = time.monotonic() + self.lease_s / 3   # the reaper must not take it either
                 self._renew_later(attempt)
