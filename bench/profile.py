@@ -212,6 +212,9 @@ SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
 BUSY_STREAMS, BUSY_OUT = 8, 48
 BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
+# disaggregated: decoding streams while the prefill worker is kept busy without a pause (two
+# one-token requests always in flight), as it is under a heavy load
+SATURATED_KEEPERS, SATURATED_DELAY_S = 16, 1.0
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -230,28 +233,38 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
 
 
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
-                   corun: dict | None = None, seed: int = 7_777) -> ServingProfile:
+                   corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS) -> ServingProfile:
     """A running ``pdserve up`` of ``mode`` against the profiled engine steps:
 
     * lone requests, one at a time: the engines' own prefill times in their phase records against
       the profiled prefill step (``prefill_x``), and what the client waits beyond them for a first
       token (``ttft_overhead_s``);
-    * waves of ``BUSY_STREAMS`` streams: their steady token gaps against the profiled decode step
+    * waves of ``streams`` streams: their steady token gaps against the profiled decode step
       at that batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the
       host since the profile); ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one
       sequence's decode step only when no busy gap was measured; their gaps in which no stream
       arrived, started or ended, over their median, are the token-gap jitter (``itl_jitter``);
-    * requests one at a time beside ``BUSY_STREAMS - 1`` decoding streams: what a first token
+    * requests one at a time beside ``streams - 1`` decoding streams: what a first token
       pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``);
-      disaggregated, also the one-host factors as served (``corun_decode_x``, ``corun_prefill_x``).
+      disaggregated, also the one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
+    * disaggregated, ``streams - 1`` decoding streams while one-token requests, two at a time,
+      keep the prefill worker busy without a pause: their gaps then against their gaps before is
+      ``corun_decode_x``, and those requests' prefill times against the lone ones'
+      ``corun_prefill_x`` (the single probes' figures when these could not be read: a probe's
+      prefill read 1.2-1.45x the lone one where the loads' own phase records said 1.0-1.1x).
 
-    ``pdserve profile`` calls it once per mode; ``bench simulate`` again on the server under test,
-    just before each load, with a fresh ``seed`` (new prompts, so no prefix is cached)."""
+    ``pdserve profile`` calls it once per mode with ``BUSY_STREAMS`` streams; ``bench simulate``
+    again on the server under test, just before each load, with a fresh ``seed`` (new prompts, so
+    no prefix is cached) and as many ``streams`` as the load will keep decoding on a worker (the
+    served step grows faster with the batch than the engine's alone: each sequence's token costs
+    the worker's serving code too, so a factor measured at 8 streams is low at 16)."""
     import asyncio
 
     from pdserve.bench.serve_load import GroupSpec, Target, run_load
     from pdserve.bench.serve_stats import gaps
 
+    if streams < 2:
+        raise ValueError(f"measure_served: streams must be >= 2 (a probe beside at least one stream), got {streams}")
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     first_role = "colocated" if mode == "colocated" else "prefill"
     target = Target("openai", server.url, server.served_model, vocab_size=vocab)
@@ -260,14 +273,24 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     group = GroupSpec("lone", SERVED_REQUESTS, prompt_len=SERVED_PROMPT, output_len=SERVED_OUT,
                       concurrency=1, seed=seed + 1)
     res = asyncio.run(run_load(target, [group], time_limit_s=180))
-    busy_group = GroupSpec("busy", 2 * BUSY_STREAMS, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
-                           concurrency=BUSY_STREAMS, seed=seed + 2)
+    lone_ttfts = [r.token_times[0] - r.sent for r in res.records if r.ok]
+    # the background's prompts are all prefilled by then: probes and keepers queue behind none of them
+    ramp_s = (streams - 1) * (statistics.median(lone_ttfts) if lone_ttfts else 0.2)
+    busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
+                           concurrency=streams, seed=seed + 2)
     busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
-    background = GroupSpec("background", BUSY_STREAMS - 1, prompt_len=SERVED_PROMPT,
-                           output_len=BESIDE_BACKGROUND_OUT, concurrency=BUSY_STREAMS - 1, seed=seed + 3)
+    background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
+                           output_len=BESIDE_BACKGROUND_OUT, concurrency=streams - 1, seed=seed + 3)
     probes = GroupSpec("beside", BESIDE_PROBES, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1,
-                       start_delay_s=BESIDE_DELAY_S, seed=seed + 4)
+                       start_delay_s=ramp_s + BESIDE_DELAY_S, seed=seed + 4)
     beside = asyncio.run(run_load(target, [background, probes], time_limit_s=300))
+    saturated = None
+    if mode == "disaggregated":
+        sat_background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
+                                   output_len=BESIDE_BACKGROUND_OUT, concurrency=streams - 1, seed=seed + 5)
+        keepers = GroupSpec("keeper", SATURATED_KEEPERS, prompt_len=SERVED_PROMPT, output_len=1, concurrency=2,
+                            start_delay_s=ramp_s + SATURATED_DELAY_S, seed=seed + 6)
+        saturated = asyncio.run(run_load(target, [sat_background, keepers], time_limit_s=300))
     ok = [r for r in res.records if r.ok]
     if len(ok) < SERVED_REQUESTS // 2:
         raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
@@ -283,7 +306,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         prefill_x = served_prefill / first
         ttft_over = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["prefill_s"] for r in timed))
         pre_how = f" (served prefill {served_prefill * 1e3:.0f} ms: x{prefill_x:.2f})"
-    # decode: the steady gaps of BUSY_STREAMS streams at once are decode steps at that batch
+    # decode: the steady gaps of streams streams at once are decode steps at that batch
     steady = [g for r in busy.records if r.ok for g in gaps(r.token_times)[1:]]
     lone_gap = statistics.median(statistics.median(gaps(r.token_times)) for r in ok if len(r.token_times) > 1)
     step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
@@ -300,9 +323,9 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                       for k in range(JITTER_QUANTILES)]
     if steady:
         busy_gap = statistics.median(steady)
-        busy_step = dec_eng.decode_step_s(BUSY_STREAMS, BUSY_STREAMS * (SERVED_PROMPT + BUSY_OUT / 2))
+        busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))
         step_x = busy_gap / busy_step
-        busy_how = (f"; {BUSY_STREAMS} streams at once: token gap median {busy_gap * 1e3:.1f} ms against a "
+        busy_how = (f"; {streams} streams at once: token gap median {busy_gap * 1e3:.1f} ms against a "
                     f"{busy_step * 1e3:.1f} ms decode step at that batch: decode steps x{step_x:.2f} served")
     # a per-token overhead beyond the steps only where no busy measurement gave the step factor:
     # with one, the busy gaps (where loads run) are matched by the steps alone, and a lone stream's
@@ -317,7 +340,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     probe_ttfts = [r.token_times[0] - r.sent for r in probes_in]
     corun_prefill_x = corun_decode_x = None
     corun_how = ""
-    if mode == "disaggregated" and len(bg) == BUSY_STREAMS - 1 and prefill_x is not None:
+    if mode == "disaggregated" and len(bg) == streams - 1 and prefill_x is not None:
         # one host, as served: the background's token gaps while a probe's prefill computed on
         # the other core (its engine's prefill time before its first token) against the gaps of
         # the same streams while it did not; and the probes' prefills against the lone ones
@@ -336,20 +359,50 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             corun_how = (f"; on one host: decode gaps {statistics.median(beside_gaps) * 1e3:.1f} ms while the "
                          f"prefill worker computed, {statistics.median(apart_gaps) * 1e3:.1f} ms while not "
                          f"(x{corun_decode_x:.2f}), prefills beside decoding x{corun_prefill_x:.2f}")
-    if len(bg) == BUSY_STREAMS - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
-        ctx = (BUSY_STREAMS - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
+    if saturated is not None:
+        # the prefill worker never idle: the background's gaps from the first one-token request's
+        # prefill to the last one's end, against its gaps before the first was sent. This is what
+        # a heavy load does to the decode worker on one host (the prefill core full, so the
+        # unpinned router, client and Ray run on the decode worker's; a handoff landing at every
+        # prefill), which single probes one at a time do not show; it stands for the probes' figure.
+        sbg = [r for r in saturated.records if r.group == "background" and r.ok]
+        keep = [r for r in saturated.records if r.group == "keeper" and r.ok]
+        if len(sbg) == streams - 1 and len(keep) >= SATURATED_KEEPERS // 2:
+            all_in = max(r.token_times[0] for r in sbg)
+            sbg_end = min(r.token_times[-1] for r in sbg)
+            on, off = min(r.sent for r in keep), max(r.token_times[-1] for r in keep)
+            steady = [(a, b) for r in sbg for a, b in zip(r.token_times[1:], r.token_times[2:])
+                      if a >= all_in and b <= sbg_end]
+            apart_gaps = [b - a for a, b in steady if b <= on]
+            beside_gaps = [b - a for a, b in steady if a >= on and b <= off]
+            # the one-token requests' own prefill times (phase records) while the streams decoded
+            keep_prefill = [r.phase["prefill_s"] for r in keep if r.phase and (r.phase.get("prefill_s") or 0) > 0
+                            and r.token_times[-1] <= sbg_end]
+            if len(apart_gaps) >= 20 and len(beside_gaps) >= 20 and len(keep_prefill) >= SATURATED_KEEPERS // 2 \
+                    and prefill_x is not None:
+                probes_x, probes_px = corun_decode_x, corun_prefill_x
+                corun_decode_x = statistics.median(beside_gaps) / statistics.median(apart_gaps)
+                corun_prefill_x = statistics.median(keep_prefill) / (prefill_x * first)
+                corun_how += (f"; decode gaps {statistics.median(beside_gaps) * 1e3:.1f} ms while the prefill "
+                              f"worker was never idle, {statistics.median(apart_gaps) * 1e3:.1f} ms before: "
+                              f"decode x{corun_decode_x:.2f} beside prefills, their prefills "
+                              f"{statistics.median(keep_prefill) * 1e3:.0f} ms: x{corun_prefill_x:.2f} beside decoding"
+                              + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
+                                 if probes_x is not None and probes_px is not None else ""))
+    if len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
+        ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
         if mode == "colocated":
             # a mixed step (the batch's decode plus the prompt beyond one token), after the rest of
             # the decode step running when the request came: half of one, on average. The simulator
             # runs both itself, so neither is overhead.
-            running = step_x * dec_eng.decode_step_s(BUSY_STREAMS - 1, ctx)
+            running = step_x * dec_eng.decode_step_s(streams - 1, ctx)
             extra = max(0.0, p_x * first - step_x * dec_eng.decode_step_s(1, dec_eng.decode_ctx))
             busy_first = running / 2 + running + extra
         else:
             busy_first = p_x * first * (corun_prefill_x if corun_prefill_x is not None
                                         else float((corun or {}).get("prefill_x", 1.0)))
         over_busy = max(0.0, statistics.median(probe_ttfts) - busy_first)
-        beside_how = (f"; {len(probe_ttfts)} requests beside {BUSY_STREAMS - 1} decoding streams: TTFT median "
+        beside_how = (f"; {len(probe_ttfts)} requests beside {streams - 1} decoding streams: TTFT median "
                       f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
                       f"first step there")
     served = ServingProfile(

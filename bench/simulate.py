@@ -16,8 +16,11 @@
    more than a one-thread CPU probe follows (it is still read and kept, ``speed_factors``), so
    the profile is carried to the present by measuring its served figures again on the server
    under test just before each load (``measure_served``, as ``pdserve profile`` measures them:
-   lone requests, waves of 8 streams, requests beside decoding streams; ~20 s): the prefill and
-   decode step factors against the profiled steps, and the served overheads. The engine's costs
+   lone requests, waves of streams, requests beside decoding streams; ~20 s): the prefill and
+   decode step factors against the profiled steps, and the served overheads. The waves have as
+   many streams as the simulator says the load will keep decoding (``operating_streams``; 8 for
+   the calibration that sets the rates): the served step grows faster with the batch than the
+   engine's own, so a step factor read at 8 streams runs short at 16. The engine's costs
    by size (prompt length, batch, context) stay the profile's. ``--recalibrate mode`` measures
    once per mode, ``off`` never; the errors of the profile as it was taken are reported too
    (``sim_error_*_unscaled``).
@@ -116,6 +119,21 @@ def capacity_rate(profile, mode: str, prompt_len: int, output_len: int, itl_targ
     return lo
 
 
+def operating_streams(profile, mode: str, rate: float, prompt_len: int, output_len: int, itl_target_s: float,
+                      requests: int) -> int:
+    """How many streams a load of ``rate`` keeps decoding on its one worker, as the simulator sees
+    it: the decoding time of every request over the load's span (Little's law), rounded, at least
+    2 and at most the engine's ``max_num_seqs``. The served step factor is measured at this batch."""
+    from pdserve.capacity.simulate import ClusterShape, simulate
+
+    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+    prompt = np.full(requests, prompt_len)
+    arrivals = np.cumsum(np.random.default_rng(54_321).exponential(1.0, requests)) / rate
+    res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), np.full(requests, output_len))
+    decoding = float(np.nansum(res.e2e_s - res.ttft_s)) / res.span_s if res.span_s > 0 else 0.0
+    return int(min(max(2, round(decoding)), int(profile.engine["max_num_seqs"])))
+
+
 def real_figures(records: list) -> dict:
     from pdserve.bench.serve_stats import gaps, percentile
 
@@ -180,7 +198,7 @@ def time_1m(profile) -> dict:
 
 def run_bench(args: argparse.Namespace) -> dict:
     from pdserve.bench.hw import cpu_model
-    from pdserve.bench.profile import format_profile, measure_served, run_profile, speed_probe
+    from pdserve.bench.profile import BUSY_STREAMS, format_profile, measure_served, run_profile, speed_probe
     from pdserve.bench.serve_load import GroupSpec, Target, run_load
     from pdserve.bench.servers import Server
     from pdserve.capacity.profile import Profile
@@ -216,16 +234,18 @@ def run_bench(args: argparse.Namespace) -> dict:
             asyncio.run(run_load(target, [warm], time_limit_s=120))
             mode_calibrations: list[dict] = []
 
-            def calibrate() -> Profile:
-                """The served figures measured again on this server now (fresh prompts each time)."""
+            def calibrate(streams: int = BUSY_STREAMS) -> Profile:
+                """The served figures measured again on this server now (fresh prompts each time),
+                the decode step at ``streams`` streams."""
                 if args.recalibrate == "off" or mode not in profile.serving:
                     return profile
                 seed = 50_000 + 10 * len(mode_calibrations)
                 served = measure_served(server, mode, model_dir, profile.engines, profile.roles, profile.corun,
-                                        seed=seed)
+                                        seed=seed, streams=streams)
                 served.start_s = profile.serving[mode].start_s
-                mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served)})
-                print(f"{mode}: served again: decode steps x{served.step_x:.2f}, prefill x"
+                mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served),
+                                          "streams": streams})
+                print(f"{mode}: served again at {streams} streams: decode steps x{served.step_x:.2f}, prefill x"
                       f"{served.prefill_x or served.step_x:.2f} of the profile's ({served.how})", flush=True)
                 return profile.with_serving(mode, served)
 
@@ -238,13 +258,14 @@ def run_bench(args: argparse.Namespace) -> dict:
                 capacities[mode] = capacity
                 print(f"{mode}: the profile, as served now, serves up to {capacity:.2f} requests/s of this traffic;"
                       " loads at " + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
-            first = True
             for i, rate in enumerate(rates):
                 reals, sims, plain, factors = [], [], [], []
                 for rep in range(max(1, args.repeats)):
-                    if args.recalibrate == "load" and not first:
-                        mode_profile = calibrate()
-                    first = False
+                    if args.recalibrate == "load":
+                        # at the batch this load will keep decoding, by the last calibration
+                        mode_profile = calibrate(operating_streams(
+                            mode_profile, mode, rate, args.prompt_len, args.output_len, itl_target_s,
+                            args.num_prompts))
                     # the one-thread CPU probe against the profile's, for the record: it has not
                     # tracked the engine's own speed on this host, so nothing is scaled by it
                     factors.append(speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0)

@@ -392,3 +392,19 @@ def test_the_served_jitter_spreads_the_simulated_gaps_in_the_itl_percentiles_onl
     assert b.itl_percentile(50) == pytest.approx(step, rel=1e-6)
     assert b.itl_percentile(95) == pytest.approx(3 * step, rel=1e-6)
     assert a.itl_percentile(95) == pytest.approx(step, rel=1e-6)
+
+
+def test_the_served_step_is_measured_at_the_batch_the_load_keeps_decoding() -> None:
+    from pdserve.bench.simulate import capacity_rate, operating_streams
+
+    prof = profile(max_seqs=24)
+    for mode in ("colocated", "disaggregated"):
+        cap = capacity_rate(prof, mode, 128, 64, itl_target_s=0.1, requests=1500)
+        batches = [operating_streams(prof, mode, f * cap, 128, 64, 0.1, requests=600) for f in (0.05, 0.3, 0.8, 3.0)]
+        assert batches[0] == 2, (mode, batches)                   # a trickle: the fewest a measurement needs
+        assert batches == sorted(batches) and batches[1] < batches[2], (mode, batches)   # more load, more streams
+        assert batches[-1] <= 24, (mode, batches)                 # never past the engine's max_num_seqs
+    # Little's law by hand: decode steps of 30 ms at any batch, so each request decodes for 63 x 30 ms;
+    # at 4 requests/s that is 7.56 streams at once on average
+    flat = {str(t): engine(t, decode=(0.03, 0.03, 0.03)) for t in (1, 2)}
+    assert operating_streams(profile(engines=flat), "disaggregated", 4.0, 128, 64, 0.1, requests=2000) == 8
