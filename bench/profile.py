@@ -255,9 +255,9 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
 
     ``pdserve profile`` calls it once per mode with ``BUSY_STREAMS`` streams; ``bench simulate``
     again on the server under test, just before each load, with a fresh ``seed`` (new prompts, so
-    no prefix is cached) and as many ``streams`` as the load will keep decoding on a worker (the
-    served step grows faster with the batch than the engine's alone: each sequence's token costs
-    the worker's serving code too, so a factor measured at 8 streams is low at 16)."""
+    no prefix is cached) and as many ``streams`` as the load will keep decoding on a worker
+    (served steps do not grow with the batch as the engine's own do, so a factor read at 8
+    streams does not hold at 16)."""
     import asyncio
 
     from pdserve.bench.serve_load import GroupSpec, Target, run_load

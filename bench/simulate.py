@@ -16,11 +16,12 @@
    more than a one-thread CPU probe follows (it is still read and kept, ``speed_factors``), so
    the profile is carried to the present by measuring its served figures again on the server
    under test just before each load (``measure_served``, as ``pdserve profile`` measures them:
-   lone requests, waves of streams, requests beside decoding streams; ~20 s): the prefill and
-   decode step factors against the profiled steps, and the served overheads. The waves have as
+   lone requests, waves of streams, requests beside decoding streams and, disaggregated,
+   streams beside a prefill worker kept busy; ~20-30 s): the prefill and decode step factors
+   against the profiled steps, the one-host factors and the served overheads. The waves have as
    many streams as the simulator says the load will keep decoding (``operating_streams``; 8 for
-   the calibration that sets the rates): the served step grows faster with the batch than the
-   engine's own, so a step factor read at 8 streams runs short at 16. The engine's costs
+   the calibration that sets the rates): served steps do not grow with the batch as the engine's
+   own do (colocated on 2026-12-04: x0.84-0.95 at 3-6 streams, x1.04-1.21 at 10-16). The engine's costs
    by size (prompt length, batch, context) stay the profile's. ``--recalibrate mode`` measures
    once per mode, ``off`` never; the errors of the profile as it was taken are reported too
    (``sim_error_*_unscaled``).
