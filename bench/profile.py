@@ -22,7 +22,9 @@ the median of repeated real engine steps:
   the handoff's control messages), and ``pdserve up``'s time is the cluster's start time; then
   two waves of 8 streams at once: their steady token gaps against the profiled decode step at
   batch 8 say how much slower the engine steps when served on this host (the router, Ray and the
-  client share its cores), a factor the simulator applies to that mode's steps.
+  client share its cores), a factor the simulator applies to that mode's steps; and, disaggregated,
+  decoding streams while one-token requests keep the prefill worker busy: the two workers' steps
+  beside each other as served.
 
 Bounded: about 3-4 minutes for the ``small`` model on 2 cores (``--quick``: fewer points, ~1 minute
 without the served part).
@@ -306,7 +308,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         prefill_x = served_prefill / first
         ttft_over = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["prefill_s"] for r in timed))
         pre_how = f" (served prefill {served_prefill * 1e3:.0f} ms: x{prefill_x:.2f})"
-    # decode: the steady gaps of streams streams at once are decode steps at that batch
+    # decode: the steady gaps of ``streams`` streams at once are decode steps at that batch
     steady = [g for r in busy.records if r.ok for g in gaps(r.token_times)[1:]]
     lone_gap = statistics.median(statistics.median(gaps(r.token_times)) for r in ok if len(r.token_times) > 1)
     step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
@@ -371,10 +373,10 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             all_in = max(r.token_times[0] for r in sbg)
             sbg_end = min(r.token_times[-1] for r in sbg)
             on, off = min(r.sent for r in keep), max(r.token_times[-1] for r in keep)
-            steady = [(a, b) for r in sbg for a, b in zip(r.token_times[1:], r.token_times[2:])
-                      if a >= all_in and b <= sbg_end]
-            apart_gaps = [b - a for a, b in steady if b <= on]
-            beside_gaps = [b - a for a, b in steady if a >= on and b <= off]
+            spans = [(a, b) for r in sbg for a, b in zip(r.token_times[1:], r.token_times[2:])
+                     if a >= all_in and b <= sbg_end]
+            apart_gaps = [b - a for a, b in spans if b <= on]
+            beside_gaps = [b - a for a, b in spans if a >= on and b <= off]
             # the one-token requests' own prefill times (phase records) while the streams decoded
             keep_prefill = [r.phase["prefill_s"] for r in keep if r.phase and (r.phase.get("prefill_s") or 0) > 0
                             and r.token_times[-1] <= sbg_end]
