@@ -30,13 +30,12 @@ _TITLES = {"serve_replicas": "ServeReplica", "serve_proxy": "ProxyActor", "serve
 
 def serve_available() -> str | None:
     """None when Ray Serve can be imported here, else what to install."""
+    import ray
+
     try:
-        import ray
         from ray import serve  # noqa: F401
         from starlette.responses import StreamingResponse  # noqa: F401
     except ImportError:
-        import ray
-
         return (f"Ray Serve is not installed: .venv/bin/pip install \"ray[serve]=={ray.__version__}\" "
                 "(pdserve does not need it; only this comparison does)")
     return None

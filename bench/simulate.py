@@ -94,13 +94,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "the real runs' own spread is reported beside the simulator's error")
 
 
+def load_shape(mode: str, itl_target_s: float):
+    """The shape the real loads run: one worker colocated, or one prefill and one decode worker,
+    on this one host."""
+    from pdserve.capacity.simulate import ClusterShape
+
+    return ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+
+
 def capacity_rate(profile, mode: str, prompt_len: int, output_len: int, itl_target_s: float,
                   requests: int = 3000) -> float:
     """The highest Poisson rate (requests/s) at which the simulated ``mode`` shape (as the loads
     run it) still delivers 97% of the offered output tokens: what this profile says it can serve."""
-    from pdserve.capacity.simulate import ClusterShape, simulate
+    from pdserve.capacity.simulate import simulate
 
-    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+    shape = load_shape(mode, itl_target_s)
     prompt = np.full(requests, prompt_len)
     output = np.full(requests, output_len)
     gaps = np.random.default_rng(12_345).exponential(1.0, requests)
@@ -125,9 +133,9 @@ def operating_streams(profile, mode: str, rate: float, prompt_len: int, output_l
     """How many streams a load of ``rate`` keeps decoding on its one worker, as the simulator sees
     it: the decoding time of every request over the load's span (Little's law), rounded, at least
     2 and at most the engine's ``max_num_seqs``. The served step factor is measured at this batch."""
-    from pdserve.capacity.simulate import ClusterShape, simulate
+    from pdserve.capacity.simulate import simulate
 
-    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+    shape = load_shape(mode, itl_target_s)
     prompt = np.full(requests, prompt_len)
     arrivals = np.cumsum(np.random.default_rng(54_321).exponential(1.0, requests)) / rate
     res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), np.full(requests, output_len))
@@ -159,7 +167,7 @@ def real_figures(records: list) -> dict:
 
 
 def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
-    from pdserve.capacity.simulate import ClusterShape, simulate
+    from pdserve.capacity.simulate import simulate
 
     sent = [r for r in records if r.sent is not None]
     t0 = min(r.sent for r in sent)
@@ -167,7 +175,7 @@ def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
     arrivals = np.array([r.sent - t0 for r in order])
     prompt = np.array([r.prompt_len for r in order])
     output = np.array([r.output_len for r in order])
-    shape = ClusterShape(mode, 0 if mode == "colocated" else 1, 1, itl_target_s=itl_target_s, shared_host=True)
+    shape = load_shape(mode, itl_target_s)
     res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), output)
     s = res.summary()
     return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"], "itl_p50": s["itl_s"]["p50"],
