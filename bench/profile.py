@@ -212,6 +212,7 @@ def profile_transfer(block_bytes: int, quick: bool) -> TransferProfile:
 
 SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
 BUSY_STREAMS, BUSY_OUT = 8, 48
+STAGGER_ROUNDS = 3      # colocated: requests per stream in the staggered busy measurement
 BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
 # disaggregated: decoding streams while the prefill worker is kept busy without a pause (two
@@ -232,6 +233,38 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
         with Server(kind, model_dir, port=port, extra_set=sets) as server:
             out[mode] = measure_served(server, mode, model_dir, engines, roles, corun)
     return out
+
+
+def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float], float] | None:
+    """Staggered streams' decode steps against the profiled ones: the token gaps from the first
+    stream's end to the last stream's start (streams out of step, the batch full) in whose step no
+    stream got its first token (a prompt's step, which the simulator runs itself), each over the
+    profiled step at the batch decoding then (the streams started and not yet ended). Returns
+    (those ratios, the mean batch), or None with fewer than 50 of them."""
+    done = [r for r in records if r.ok and len(r.token_times) > 2]
+    if not done:
+        return None
+    firsts = sorted(r.token_times[0] for r in done)
+    lasts = sorted(r.token_times[-1] for r in done)
+    lo, hi = lasts[0], max(r.sent for r in done)
+    tol = 0.003   # a token of the same step reaches the client a little before or after another
+    # a prompt's step is longer than a decode step by about its prefill: a gap past half of that
+    # is one even where its first token reached the client late
+    half_prefill = dec_eng.prefill_step_s(SERVED_PROMPT) / 2
+    ratios, batches = [], []
+    for r in done:
+        for a, b in zip(r.token_times[1:], r.token_times[2:]):
+            if a < lo or b > hi or bisect.bisect_right(firsts, b + tol) > bisect.bisect_right(firsts, a + tol):
+                continue
+            batch = max(1, bisect.bisect_left(firsts, b) - bisect.bisect_left(lasts, b))
+            step = dec_eng.decode_step_s(batch, batch * (SERVED_PROMPT + BUSY_OUT / 2))
+            if b - a > step + half_prefill:
+                continue
+            ratios.append((b - a) / step)
+            batches.append(batch)
+    if len(ratios) < 50:
+        return None
+    return ratios, statistics.fmean(batches)
 
 
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -278,8 +311,16 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     lone_ttfts = [r.token_times[0] - r.sent for r in res.records if r.ok]
     # the background's prompts are all prefilled by then: probes and keepers queue behind none of them
     ramp_s = (streams - 1) * (statistics.median(lone_ttfts) if lone_ttfts else 0.2)
-    busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
-                           concurrency=streams, seed=seed + 2)
+    if mode == "colocated":
+        # streams of varied lengths, each replaced as it ends, so they decode out of step, prompts
+        # keep arriving and the batch stays near ``streams``, as under a load: decode steps ran
+        # x1.06-1.08 slower so than in lockstep waves of the same batch (engine step records,
+        # 2026-12-04); why is not known
+        busy_group = GroupSpec("busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT,
+                               output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2), concurrency=streams, seed=seed + 2)
+    else:
+        busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
+                               concurrency=streams, seed=seed + 2)
     busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
     background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
                            output_len=BESIDE_BACKGROUND_OUT, concurrency=streams - 1, seed=seed + 3)
@@ -314,16 +355,25 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     step = dec_eng.decode_step_s(1, SERVED_PROMPT + SERVED_OUT / 2)
     step_x, busy_how = 1.0, ""
     # the jitter: steady gaps in which no stream of the run arrived, got its first token or
-    # ended (the simulator runs those steps itself), over their median
+    # ended (the simulator runs those steps itself), over their median (colocated: the staggered
+    # streams' decode steps over the profiled ones at their batch, over their median)
     marks = sorted(t for r in busy.records if r.ok for t in (r.sent, r.token_times[0], r.token_times[-1]))
     clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
              if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
+    # colocated, staggered: the decode steps' gaps over the profiled step at their batch
+    staggered = _staggered_steps(busy.records, dec_eng) if mode == "colocated" else None
+    if staggered is not None:
+        clean = staggered[0]
     itl_jitter = None
     if len(clean) >= 2 * JITTER_QUANTILES:
         ratios = sorted(g / statistics.median(clean) for g in clean)
         itl_jitter = [ratios[min(len(ratios) - 1, int((k + 0.5) / JITTER_QUANTILES * len(ratios)))]
                       for k in range(JITTER_QUANTILES)]
-    if steady:
+    if staggered is not None:
+        step_x, n_gaps, batch = statistics.median(clean), len(clean), staggered[1]
+        busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt in their step, at "
+                    f"{batch:.1f} streams on average: decode steps x{step_x:.2f} served")
+    elif steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))
         step_x = busy_gap / busy_step
@@ -391,7 +441,23 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                               f"{statistics.median(keep_prefill) * 1e3:.0f} ms: x{corun_prefill_x:.2f} beside decoding"
                               + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
                                  if probes_x is not None and probes_px is not None else ""))
-    if len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
+    mixed_extra = None
+    # colocated: each probe's own step (its engine's time from first scheduled to first token: one
+    # step with the background's decodes) against the modelled one, and what the client waited
+    # beyond its engine's TTFT, both read from the phase records; the TTFT below is the fallback
+    timed_in = [r for r in probes_in if r.phase and r.phase.get("ttft_s") is not None
+                and r.phase.get("queue_s") is not None]
+    if mode == "colocated" and len(bg) == streams - 1 and len(timed_in) >= BESIDE_PROBES // 2:
+        ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
+        mixed = statistics.median(r.phase["ttft_s"] - r.phase["queue_s"] for r in timed_in)
+        modelled = (step_x * (dec_eng.decode_step_s(streams - 1, ctx) - dec_eng.decode_step_s(1, dec_eng.decode_ctx))
+                    + p_x * first)
+        mixed_extra = mixed - modelled
+        over_busy = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["ttft_s"] for r in timed_in))
+        beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their step "
+                      f"{mixed * 1e3:.0f} ms against {modelled * 1e3:.0f} ms of decodes and served prefill "
+                      f"({mixed_extra * 1e3:+.0f} ms), +{over_busy * 1e3:.0f} ms beyond their engine's TTFT")
+    elif len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
         ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
         if mode == "colocated":
             # a mixed step (the batch's decode plus the prompt beyond one token), after the rest of
@@ -409,7 +475,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                       f"first step there")
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
-        step_x=step_x, prefill_x=prefill_x, corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
+        step_x=step_x, prefill_x=prefill_x, mixed_extra_s=mixed_extra,
+        corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
         itl_jitter=itl_jitter,
         start_s=server.start_s,
         how=f"{len(ok)} lone requests ({SERVED_PROMPT} in, {SERVED_OUT} out) through `pdserve up`: TTFT median "
@@ -533,6 +600,8 @@ def format_profile(p: Profile) -> str:
         busy = (f" (+{sp.ttft_overhead_busy_s * 1e3:.0f} ms beside decoding streams)"
                 if sp.ttft_overhead_busy_s is not None else "")
         steps = f"decode steps x{sp.step_x:.2f}" + (f", prefill x{sp.prefill_x:.2f}" if sp.prefill_x else "")
+        if sp.mixed_extra_s is not None:
+            steps += f", {sp.mixed_extra_s * 1e3:+.0f} ms to a step taking a prompt beside decodes"
         if sp.corun_decode_x is not None:
             steps += f" (one host: decode x{sp.corun_decode_x:.2f} beside a prefill, prefill x{sp.corun_prefill_x:.2f})"
         lines.append(f"served {mode}: {steps}, +{sp.ttft_overhead_s * 1e3:.0f} ms to a first token{busy}, "

@@ -319,13 +319,22 @@ async def _run_group(client, group: GroupSpec, items: list[_Item], out: list[Req
 
         await asyncio.gather(*(worker() for _ in range(min(group.concurrency, len(items)))))
         return
-    rng = random.Random(f"arrivals-{group.seed if group.arrival_seed is None else group.arrival_seed}")
     tasks = []
-    for i, item in enumerate(items):
+    for i, (item, gap) in enumerate(zip(items, arrival_gaps(group))):
         if i:
-            await asyncio.sleep(rng.expovariate(group.rate))
+            await asyncio.sleep(gap)
         tasks.append(asyncio.create_task(one(i, item)))
     await asyncio.gather(*tasks)
+
+
+def arrival_gaps(group: GroupSpec) -> list[float]:
+    """A rate group's Poisson schedule: the seconds before each request is sent after the one
+    before it (the first's is not waited). The same group always draws the same schedule, so a
+    simulator can be given a load's arrivals before it runs."""
+    if group.rate is None:
+        raise ValueError(f"group {group.name!r}: a schedule needs a rate")
+    rng = random.Random(f"arrivals-{group.seed if group.arrival_seed is None else group.arrival_seed}")
+    return [0.0 if i == 0 else rng.expovariate(group.rate) for i in range(group.num_requests)]
 
 
 async def run_load(target: Target, groups: list[GroupSpec], *, time_limit_s: float,

@@ -15,16 +15,18 @@
    the same shape. This host is shared and its speed drifts by tens of percent within minutes,
    more than a one-thread CPU probe follows (it is still read and kept, ``speed_factors``), so
    the profile is carried to the present by measuring its served figures again on the server
-   under test just before each load (``measure_served``, as ``pdserve profile`` measures them:
-   lone requests, waves of streams, requests beside decoding streams and, disaggregated,
-   streams beside a prefill worker kept busy; ~20-30 s): the prefill and decode step factors
-   against the profiled steps, the one-host factors and the served overheads. The waves have as
-   many streams as the simulator says the load will keep decoding (``operating_streams``; 8 for
-   the calibration that sets the rates): served steps do not grow with the batch as the engine's
-   own do (colocated on 2026-12-04: x0.84-0.95 at 3-6 streams, x1.04-1.21 at 10-16). The engine's costs
-   by size (prompt length, batch, context) stay the profile's. ``--recalibrate mode`` measures
-   once per mode, ``off`` never; the errors of the profile as it was taken are reported too
-   (``sim_error_*_unscaled``).
+   under test just before each load and again just after it (``measure_served``, as ``pdserve
+   profile`` measures them: lone requests, waves of streams, requests beside decoding streams
+   and, disaggregated, streams beside a prefill worker kept busy; ~20-30 s): the prefill and
+   decode step factors against the profiled steps, the cost of a colocated step that takes a
+   prompt beside decodes, the one-host factors and the served overheads. A load is simulated
+   with the two measurements around it averaged (``mean_served``; a repeat's "before" is the
+   last one's "after"), which follows a host drifting steadily through the load. The waves have
+   as many streams as a decoding request of this load sees beside it when the simulator runs
+   the load's own arrivals (``operating_streams``; 8 for the calibration that sets the rates).
+   The engine's costs by size (prompt length, batch, context) stay the profile's.
+   ``--recalibrate mode`` measures once per mode, ``off`` never; the errors of the profile as it
+   was taken are reported too (``sim_error_*_unscaled``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them); with
    ``--repeats 2`` or more, each load runs that many times and ``real_spread_*`` says how far
@@ -44,7 +46,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from pdserve.capacity.profile import ServingProfile
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +135,51 @@ def capacity_rate(profile, mode: str, prompt_len: int, output_len: int, itl_targ
     return lo
 
 
-def operating_streams(profile, mode: str, rate: float, prompt_len: int, output_len: int, itl_target_s: float,
-                      requests: int) -> int:
-    """How many streams a load of ``rate`` keeps decoding on its one worker, as the simulator sees
-    it: the decoding time of every request over the load's span (Little's law), rounded, at least
-    2 and at most the engine's ``max_num_seqs``. The served step factor is measured at this batch."""
+def operating_streams(profile, mode: str, arrivals: np.ndarray, prompt_len: int, output_len: int,
+                      itl_target_s: float) -> int:
+    """How many streams a decoding request of this load sees on its worker, as the simulator runs
+    the load's own ``arrivals`` (seconds): the batch averaged over every request's decoding time,
+    the integral of b(t) squared over that of b(t) (a load averaging 7.6 streams with Poisson
+    spread puts a request beside 8.6), rounded, at least 2 and at most the engine's
+    ``max_num_seqs``. The served step factor is measured at this batch."""
     from pdserve.capacity.simulate import simulate
 
     shape = load_shape(mode, itl_target_s)
-    prompt = np.full(requests, prompt_len)
-    arrivals = np.cumsum(np.random.default_rng(54_321).exponential(1.0, requests)) / rate
-    res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), np.full(requests, output_len))
-    decoding = float(np.nansum(res.e2e_s - res.ttft_s)) / res.span_s if res.span_s > 0 else 0.0
-    return int(min(max(2, round(decoding)), int(profile.engine["max_num_seqs"])))
+    n = len(arrivals)
+    prompt = np.full(n, prompt_len)
+    res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), np.full(n, output_len))
+    ok = ~np.isnan(res.e2e_s)
+    seen = seen_batch(arrivals[ok] + res.ttft_s[ok], arrivals[ok] + res.e2e_s[ok])
+    return int(min(max(2, round(seen)), int(profile.engine["max_num_seqs"])))
+
+
+def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
+    """Two served calibrations of one mode averaged, figure by figure (a figure one of them lacks
+    is the other's): the host as it was between them."""
+    from pdserve.capacity.profile import ServingProfile
+
+    def avg(x: float | None, y: float | None) -> float | None:
+        return y if x is None else x if y is None else (x + y) / 2
+
+    jitter = a.itl_jitter if b.itl_jitter is None else b.itl_jitter if a.itl_jitter is None else \
+        [(x + y) / 2 for x, y in zip(a.itl_jitter, b.itl_jitter)]
+    fields = {k: avg(getattr(a, k), getattr(b, k))
+              for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
+                        "mixed_extra_s", "corun_decode_x", "corun_prefill_x", "start_s")}
+    return ServingProfile(**fields, itl_jitter=jitter, how=f"the mean of two calibrations: {a.how} | {b.how}")
+
+
+def seen_batch(starts: np.ndarray, ends: np.ndarray) -> float:
+    """The number of intervals [start, end) open at once, averaged over every interval's own time:
+    the integral of b(t)^2 over the integral of b(t)."""
+    t = np.concatenate([starts, ends])
+    step = np.concatenate([np.ones(len(starts)), -np.ones(len(ends))])
+    order = np.argsort(t, kind="stable")
+    t, b = t[order], np.cumsum(step[order])
+    dt = np.diff(t)
+    b = b[:-1]
+    open_time = float(np.sum(b * dt))
+    return float(np.sum(b * b * dt)) / open_time if open_time > 0 else 0.0
 
 
 def real_figures(records: list) -> dict:
@@ -208,7 +247,7 @@ def time_1m(profile) -> dict:
 def run_bench(args: argparse.Namespace) -> dict:
     from pdserve.bench.hw import cpu_model
     from pdserve.bench.profile import BUSY_STREAMS, format_profile, measure_served, run_profile, speed_probe
-    from pdserve.bench.serve_load import GroupSpec, Target, run_load
+    from pdserve.bench.serve_load import GroupSpec, Target, arrival_gaps, run_load
     from pdserve.bench.servers import Server
     from pdserve.capacity.profile import Profile
 
@@ -269,12 +308,12 @@ def run_bench(args: argparse.Namespace) -> dict:
                       " loads at " + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
             for i, rate in enumerate(rates):
                 reals, sims, plain, factors = [], [], [], []
+                arrivals = np.cumsum(arrival_gaps(GroupSpec("load", args.num_prompts, rate=rate,
+                                                            arrival_seed=args.seed + i)))
+                streams = operating_streams(mode_profile, mode, arrivals, args.prompt_len, args.output_len,
+                                            itl_target_s)
+                before = calibrate(streams) if args.recalibrate == "load" else mode_profile
                 for rep in range(max(1, args.repeats)):
-                    if args.recalibrate == "load":
-                        # at the batch this load will keep decoding, by the last calibration
-                        mode_profile = calibrate(operating_streams(
-                            mode_profile, mode, rate, args.prompt_len, args.output_len, itl_target_s,
-                            args.num_prompts))
                     # the one-thread CPU probe against the profile's, for the record: it has not
                     # tracked the engine's own speed on this host, so nothing is scaled by it
                     factors.append(speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0)
@@ -283,6 +322,14 @@ def run_bench(args: argparse.Namespace) -> dict:
                     group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
                                       rate=rate, seed=args.seed + i + 1000 * rep, arrival_seed=args.seed + i)
                     result = asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s))
+                    mode_profile = before
+                    if args.recalibrate == "load":
+                        # the host as it was around the load: measured again right after it, at the
+                        # same batch, and the two measurements averaged (the next repeat's "before")
+                        after = calibrate(streams)
+                        mode_profile = profile.with_serving(mode, mean_served(before.serving_for(mode),
+                                                                              after.serving_for(mode)))
+                        before = after
                     reals.append(real_figures(result.records))
                     sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s))
@@ -300,7 +347,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 run = {"mode": mode, "rate": rate,
                        "load_fraction": None if args.rates else args.load[i], "real": real, "sim": sim, "error": err,
                        "speed_factors": factors, "error_unscaled": errors(real, sim_plain),
-                       "served": asdict(mode_profile.serving_for(mode)),
+                       "served": asdict(mode_profile.serving_for(mode)), "calibration_streams": streams,
                        "real_runs": reals, "sim_runs": sims}
                 if len(reals) > 1:   # how far one real run is from another: the floor under any model's error
                     run["real_spread"] = {m: (max(r[m] for r in reals) - min(r[m] for r in reals)) / real[m]

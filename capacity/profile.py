@@ -130,6 +130,9 @@ class ServingProfile:
     # the same for prefill steps: the served prefill (the engines' own phase records of lone
     # requests) over the profiled one; None: step_x stands for it
     prefill_x: float | None = None
+    # colocated: what a step that takes a prompt beside decoding streams costs beyond its decodes
+    # and that prompt's served prefill (seconds, may be < 0); None: not measured (0)
+    mixed_extra_s: float | None = None
     # disaggregated on one host, as served: a decode step while the prefill worker computes over
     # one while it does not, and a prefill beside decoding streams over a lone one (the phase
     # records); None: the profile's offline ``corun`` figures stand

@@ -111,6 +111,9 @@ class SimResult:
     # served token gaps over their median at a steady batch (equal-weight quantiles, the profile's
     # ``ServingProfile.itl_jitter``): each simulated gap is spread by them in the ITL percentiles
     itl_jitter: np.ndarray | None = None
+    # the gaps of steps that took a prompt beside decoding streams (colocated, conditional): the
+    # jitter, measured on decode steps, does not spread them
+    itl_plain: np.ndarray | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -125,16 +128,23 @@ class SimResult:
         if self.itl_jitter is None or not len(self.itl_jitter):
             idx = int(np.searchsorted(cum, q / 100.0 * cum[-1], side="left"))
             return float(v[min(idx, len(v) - 1)])
-        # the mixture of every gap times each jitter ratio: the smallest x whose share of gaps
-        # (over all ratios alike) at or below it reaches q, by bisection
+        # the mixture of every decode gap times each jitter ratio, and the prompt steps' gaps as
+        # they are: the smallest x whose share of gaps at or below it reaches q, by bisection
         j = np.asarray(self.itl_jitter, dtype=float)
-        share = cum / cum[-1]
+        plain = self.itl_plain[order] if self.itl_plain is not None else np.zeros(len(v), dtype=bool)
+        vj, vp = v[~plain], v[plain]
+        cum_j, cum_p = np.cumsum(w[~plain]), np.cumsum(w[plain])
+        total = float(cum[-1])
 
         def below(x: float) -> float:
-            k = np.searchsorted(v, x / j, side="right")
-            return float(np.mean(np.where(k > 0, share[np.maximum(k - 1, 0)], 0.0)))
+            k = np.searchsorted(vj, x / j, side="right")
+            jittered = float(np.mean(np.where(k > 0, cum_j[np.maximum(k - 1, 0)], 0.0))) if len(vj) else 0.0
+            kp = int(np.searchsorted(vp, x, side="right"))
+            return (jittered + (float(cum_p[kp - 1]) if kp else 0.0)) / total
 
-        lo, hi, target = float(v[0] * j.min()) * 0.999, float(v[-1] * j.max()), q / 100.0
+        lows = ([float(vj[0] * j.min())] if len(vj) else []) + ([float(vp[0])] if len(vp) else [])
+        highs = ([float(vj[-1] * j.max())] if len(vj) else []) + ([float(vp[-1])] if len(vp) else [])
+        lo, hi, target = min(lows) * 0.999, max(highs), q / 100.0
         for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if below(mid) >= target else (mid, hi)
@@ -228,6 +238,8 @@ class Simulator:
             profile = profile.scaled(served.step_x, served.prefill_x)
             self.pe = profile.role("prefill")
             self.de = profile.role("colocated" if colocated else "decode")
+        # a colocated step that takes prompts beside decoding streams: its cost beyond its parts
+        self.mixed_extra = float(served.mixed_extra_s or 0.0) if colocated else 0.0
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)
         self.kc = self.de.decode_s_per_ctx_token
         self.A = [0.0] + [self.de.decode_step_s(b, b * self.de.decode_ctx) - self.kc * b * self.de.decode_ctx
@@ -270,6 +282,7 @@ class Simulator:
         dworker = [0] * n
         itl_v: list[float] = []
         itl_w: list[float] = []
+        itl_p: list[bool] = []     # a prompt step's gap (not spread by the jitter)
         colocated = shape.mode == "colocated"
         n_p = planner.setup.prefill.max_replicas if planner is not None else shape.prefill
         n_d = planner.setup.decode.max_replicas if planner is not None else shape.decode
@@ -301,7 +314,7 @@ class Simulator:
         local_max = shape.local_prefill_max_tokens if shape.mode == "conditional" else -1
         max_seqs, max_batched, block = self.max_seqs, self.max_batched, self.block
         A, kc, itl_over = self.A, self.kc, self.itl_over
-        de, pe = self.de, self.pe
+        de, pe, mixed_extra = self.de, self.pe, self.mixed_extra
         kv_bytes, transfer_s = self.kv_bytes, self.profile.transfer.transfer_s
         ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
         prefill_x, decode_x = self.prefill_x, self.decode_x
@@ -368,6 +381,8 @@ class Simulator:
                 eng = pe if w.role == "prefill" else de
                 if chunks:
                     d = self._prefill_cost(eng, chunks, w.b, w.C)
+                    if w.b and mixed_extra:
+                        d = max(1e-6, d + mixed_extra)
                     if paired:
                         d *= slowdown(w)
                     w.work_s += d
@@ -375,9 +390,11 @@ class Simulator:
                     for r in joined:
                         itl_v.append(t - first_t[r] + d + itl_over)
                         itl_w.append(1.0)
+                        itl_p.append(True)
                     if w.b - len(joined) > 0:
                         itl_v.append(d + itl_over)
                         itl_w.append(float(w.b - len(joined)))
+                        itl_p.append(True)
                     w.busy = True
                     schedule(w, t + d, "step")
                     if paired:
@@ -402,9 +419,11 @@ class Simulator:
             for r in joined:
                 itl_v.append(t - first_t[r] + D0 + itl_over)
                 itl_w.append(1.0)
+                itl_p.append(False)
             w.rec = len(itl_v)
             itl_v.append(_mean_gap(w.b, len(joined), m, D0, g) + itl_over)
             itl_w.append(float(max(0, w.b * m - len(joined))))
+            itl_p.append(False)
             w.busy = True
             schedule(w, t + m * D0 + g * m * (m - 1) / 2, "interval")
 
@@ -645,7 +664,7 @@ class Simulator:
                          itl_values=np.array(itl_v), itl_weights=np.array(itl_w),
                          wall_s=time.perf_counter() - t_wall, events=events, queued_at_end=n - len(done),
                          notes=notes, planner=planner.run.summary() if planner is not None else None,
-                         itl_jitter=self.itl_jitter)
+                         itl_jitter=self.itl_jitter, itl_plain=np.array(itl_p, dtype=bool))
 
 
 def simulate(profile: Profile, shape: ClusterShape, arrivals: np.ndarray, prompt: np.ndarray,

@@ -355,6 +355,35 @@ def test_a_first_token_beside_decoding_streams_pays_the_busy_served_overhead() -
         assert again.ttft_s[1] == pytest.approx(res.ttft_s[1] - 0.03), mode   # the lone figure stands in
 
 
+def test_a_colocated_step_taking_a_prompt_beside_decodes_pays_the_measured_extra() -> None:
+    plain = profile()
+    extra = profile(serving={"colocated": ServingProfile(mixed_extra_s=0.02)})
+    arrivals, prompts, outputs = [0.0, 1.0], [128, 128], [200, 3]      # the second comes while the first decodes
+    a = run(plain, "colocated", arrivals, prompts, outputs)
+    b = run(extra, "colocated", arrivals, prompts, outputs)
+    assert b.ttft_s[0] == pytest.approx(a.ttft_s[0])                   # a lone prompt's step: no extra
+    assert b.ttft_s[1] == pytest.approx(a.ttft_s[1] + 0.02)            # its step beside the decodes
+    assert b.e2e_s[0] == pytest.approx(a.e2e_s[0] + 0.02)              # which the decoding stream waited for too
+    # disaggregated decode workers are not affected by a colocated figure
+    d = profile(serving={"disaggregated": ServingProfile(mixed_extra_s=0.02)})
+    assert run(d, "disaggregated", arrivals, prompts, outputs).e2e_s[0] == pytest.approx(
+        run(plain, "disaggregated", arrivals, prompts, outputs).e2e_s[0])
+
+
+def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
+    from pdserve.bench.simulate import mean_served
+
+    a = ServingProfile(ttft_overhead_s=0.01, step_x=1.0, prefill_x=0.8, mixed_extra_s=None, itl_jitter=[1.0, 2.0],
+                       how="a")
+    b = ServingProfile(ttft_overhead_s=0.03, step_x=1.2, prefill_x=None, mixed_extra_s=0.01, itl_jitter=[3.0, 4.0],
+                       how="b")
+    m = mean_served(a, b)
+    assert m.ttft_overhead_s == pytest.approx(0.02) and m.step_x == pytest.approx(1.1)
+    assert m.prefill_x == 0.8 and m.mixed_extra_s == 0.01            # one side's figure where the other lacks it
+    assert m.itl_jitter == [2.0, 3.0] and m.corun_decode_x is None
+    assert "a" in m.how and "b" in m.how
+
+
 def test_the_example_traffic_file_loads() -> None:
     t = Traffic.load(Path(__file__).resolve().parents[2] / "examples" / "traffic.yaml")
     assert t.peak_rate == 3 and t.slo.percentile == 99 and t.num_requests() == 5000
@@ -395,16 +424,79 @@ def test_the_served_jitter_spreads_the_simulated_gaps_in_the_itl_percentiles_onl
 
 
 def test_the_served_step_is_measured_at_the_batch_the_load_keeps_decoding() -> None:
-    from pdserve.bench.simulate import capacity_rate, operating_streams
+    from pdserve.bench.simulate import capacity_rate, load_shape, operating_streams, seen_batch
+    from pdserve.capacity.simulate import simulate
+
+    def poisson(rate: float, n: int) -> np.ndarray:
+        return np.cumsum(np.random.default_rng(54_321).exponential(1.0, n)) / rate
 
     prof = profile(max_seqs=24)
     for mode in ("colocated", "disaggregated"):
         cap = capacity_rate(prof, mode, 128, 64, itl_target_s=0.1, requests=1500)
-        batches = [operating_streams(prof, mode, f * cap, 128, 64, 0.1, requests=600) for f in (0.05, 0.3, 0.8, 3.0)]
+        batches = [operating_streams(prof, mode, poisson(f * cap, 600), 128, 64, 0.1) for f in (0.05, 0.3, 0.8, 3.0)]
         assert batches[0] == 2, (mode, batches)                   # a trickle: the fewest a measurement needs
         assert batches == sorted(batches) and batches[1] < batches[2], (mode, batches)   # more load, more streams
         assert batches[-1] <= 24, (mode, batches)                 # never past the engine's max_num_seqs
-    # Little's law by hand: decode steps of 30 ms at any batch, so each request decodes for 63 x 30 ms;
-    # at 4 requests/s that is 7.56 streams at once on average
+    # by hand: [0, 2) and [1, 3) are open 1, 2 and 1 at a time for a second each: 6 / 4
+    assert seen_batch(np.array([0.0, 1.0]), np.array([2.0, 3.0])) == pytest.approx(1.5)
+    # decode steps of 30 ms at any batch: each request decodes for 63 x 30 ms; at 4 requests/s that
+    # is 7.56 streams at once on average (Little's law), Poisson-spread, so a decoding request sees
+    # itself and 7.56 others on average: 8.56
     flat = {str(t): engine(t, decode=(0.03, 0.03, 0.03)) for t in (1, 2)}
-    assert operating_streams(profile(engines=flat), "disaggregated", 4.0, 128, 64, 0.1, requests=2000) == 8
+    arrivals = poisson(4.0, 2000)
+    n = len(arrivals)
+    res = simulate(profile(engines=flat), load_shape("disaggregated", 0.1), arrivals, np.full(n, 128),
+                   np.zeros(n, dtype=int), np.full(n, 64))
+    assert seen_batch(arrivals + res.ttft_s, arrivals + res.e2e_s) == pytest.approx(8.56, abs=0.35)
+    assert operating_streams(profile(engines=flat), "disaggregated", arrivals, 128, 64, 0.1) == 9
+
+def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_prompt() -> None:
+    """A closed loop of 4 streams of varied lengths, each replaced as it ends: decode steps 1.2x
+    the profiled ones, a step that takes a new prompt 0.1 s longer. The factor is read from the
+    decode steps alone, at the batch decoding in each."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _staggered_steps
+
+    eng = engine(2, decode=(0.02, 0.03, 0.06))
+    lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
+    t, records, live, waiting = 0.0, [], [], []
+
+    def send(now: float) -> None:
+        n = next(lengths, None)
+        if n is not None:
+            rec = SimpleNamespace(ok=True, sent=now, token_times=[], n=n)
+            records.append(rec)
+            waiting.append(rec)
+
+    for _ in range(4):
+        send(0.0)
+    while live or waiting:
+        joining, waiting[:] = list(waiting), []
+        decoding = list(live)
+        # the step's length: the batch's decode step (the new prompts join it), stretched 1.2x
+        t += 1.2 * eng.decode_step_s(len(decoding) + len(joining), 0) + (0.1 if joining else 0.0)
+        for rec in decoding + joining:
+            rec.token_times.append(t)
+        live[:] = decoding + joining
+        for rec in [r for r in live if len(r.token_times) == r.n]:
+            live.remove(rec)
+            send(t)
+    ratios, batch = _staggered_steps(records, eng)
+    assert ratios == pytest.approx([1.2] * len(ratios), rel=1e-6)   # not the prompts' steps, 0.1 s longer
+    assert len(ratios) >= 50 and 3.0 <= batch <= 4.0
+    # too few steps to read: nothing
+    assert _staggered_steps(records[:2], eng) is None
+
+
+def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None:
+    jitter = [1.0] * 90 + [3.0] * 10          # one decode gap in ten three times its median
+    plain = profile()
+    shaky = plain.with_serving("colocated", ServingProfile(itl_jitter=jitter))
+    args = ([0.0, 1.0], [128, 128], [200, 3])  # the second prompt's step lands among the first's decodes
+    a = run(plain, "colocated", *args)
+    b = run(shaky, "colocated", *args)
+    prompt_gap = a.itl_percentile(100)         # the longest gap: the step that took the second prompt
+    assert prompt_gap > 3 * a.itl_percentile(50)
+    assert b.itl_percentile(100) == pytest.approx(prompt_gap, rel=1e-6)     # not three times it
+    assert b.itl_percentile(95) == pytest.approx(3 * a.itl_percentile(50), rel=1e-3)   # decode gaps are spread
