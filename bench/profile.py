@@ -221,7 +221,8 @@ SATURATED_KEEPERS, SATURATED_DELAY_S = 16, 1.0
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
-                    port: int = 8000, corun: dict | None = None) -> dict[str, ServingProfile]:
+                    port: int = 8000, corun: dict | None = None, transfer: TransferProfile | None = None,
+                    kv_bytes_per_token: int = 0) -> dict[str, ServingProfile]:
     """Each mode's served overheads (``measure_served``) through a real ``pdserve up`` of it."""
     from pdserve.bench.servers import Server
 
@@ -231,7 +232,8 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
         if mode == "disaggregated":
             sets.append("router.disaggregation.mode=always")
         with Server(kind, model_dir, port=port, extra_set=sets) as server:
-            out[mode] = measure_served(server, mode, model_dir, engines, roles, corun)
+            out[mode] = measure_served(server, mode, model_dir, engines, roles, corun, transfer=transfer,
+                                       kv_bytes_per_token=kv_bytes_per_token)
     return out
 
 
@@ -268,7 +270,8 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
 
 
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
-                   corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS) -> ServingProfile:
+                   corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS,
+                   transfer: TransferProfile | None = None, kv_bytes_per_token: int = 0) -> ServingProfile:
     """A running ``pdserve up`` of ``mode`` against the profiled engine steps:
 
     * lone requests, one at a time: the engines' own prefill times in their phase records against
@@ -282,6 +285,9 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     * requests one at a time beside ``streams - 1`` decoding streams: what a first token
       pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``);
       disaggregated, also the one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
+    * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
+      from the first token until the last block was sent) beyond the profiled raw transfer of
+      those bytes (``handoff_extra_s``);
     * disaggregated, ``streams - 1`` decoding streams while one-token requests, two at a time,
       keep the prefill worker busy without a pause: their gaps then against their gaps before is
       ``corun_decode_x``, and those requests' prefill times against the lone ones'
@@ -411,6 +417,15 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             corun_how = (f"; on one host: decode gaps {statistics.median(beside_gaps) * 1e3:.1f} ms while the "
                          f"prefill worker computed, {statistics.median(apart_gaps) * 1e3:.1f} ms while not "
                          f"(x{corun_decode_x:.2f}), prefills beside decoding x{corun_prefill_x:.2f}")
+    handoff_extra = None
+    exposed = [r.phase["kv_exposed_s"] for r in probes_in if r.phase and r.phase.get("kv_exposed_s")]
+    if mode == "disaggregated" and len(exposed) >= BESIDE_PROBES // 2:
+        # the handoff beside decoding streams, as the phase records time it, beyond the raw
+        # NIXL transfer of those bytes the profile measured
+        raw = transfer.transfer_s(SERVED_PROMPT * kv_bytes_per_token) if transfer is not None else 0.0
+        handoff_extra = statistics.median(exposed) - raw
+        corun_how += (f"; KV handoff beside decoding streams {statistics.median(exposed) * 1e3:.1f} ms exposed "
+                      f"against {raw * 1e3:.1f} ms raw ({handoff_extra * 1e3:+.1f} ms)")
     if saturated is not None:
         # the prefill worker never idle: the background's gaps from the first one-token request's
         # prefill to the last one's end, against its gaps before the first was sent. This is what
@@ -475,7 +490,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                       f"first step there")
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
-        step_x=step_x, prefill_x=prefill_x, mixed_extra_s=mixed_extra,
+        step_x=step_x, prefill_x=prefill_x, mixed_extra_s=mixed_extra, handoff_extra_s=handoff_extra,
         corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
         itl_jitter=itl_jitter,
         start_s=server.start_s,
@@ -563,7 +578,8 @@ def run_profile(model_dir: str, *, dtype: str = "auto", threads: tuple[int, ...]
     xfer = profile_transfer(block_bytes, quick) if transfer else TransferProfile(
         overhead_s=0.0, bytes_per_s=1e12, how="not measured (--no-transfer): free")
     roles = {"prefill": int(split), "decode": int(split), "colocated": int(whole)}
-    serving = measure_serving(model_dir, runner_info["dtype"], engines, roles, port, corun_figures) if served else {}
+    serving = measure_serving(model_dir, runner_info["dtype"], engines, roles, port, corun_figures, xfer,
+                              kv_per_token) if served else {}
     return Profile(
         host=_host(),
         model={"path": str(model_dir), "name": Path(model_dir).name, "dtype": runner_info["dtype"],
@@ -600,6 +616,8 @@ def format_profile(p: Profile) -> str:
         busy = (f" (+{sp.ttft_overhead_busy_s * 1e3:.0f} ms beside decoding streams)"
                 if sp.ttft_overhead_busy_s is not None else "")
         steps = f"decode steps x{sp.step_x:.2f}" + (f", prefill x{sp.prefill_x:.2f}" if sp.prefill_x else "")
+        if sp.handoff_extra_s is not None:
+            steps += f", {sp.handoff_extra_s * 1e3:+.1f} ms to a KV handoff"
         if sp.mixed_extra_s is not None:
             steps += f", {sp.mixed_extra_s * 1e3:+.0f} ms to a step taking a prompt beside decodes"
         if sp.corun_decode_x is not None:

@@ -165,7 +165,7 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
         [(x + y) / 2 for x, y in zip(a.itl_jitter, b.itl_jitter)]
     fields = {k: avg(getattr(a, k), getattr(b, k))
               for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
-                        "mixed_extra_s", "corun_decode_x", "corun_prefill_x", "start_s")}
+                        "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "start_s")}
     return ServingProfile(**fields, itl_jitter=jitter, how=f"the mean of two calibrations: {a.how} | {b.how}")
 
 
@@ -289,7 +289,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     return profile
                 seed = 50_000 + 10 * len(mode_calibrations)
                 served = measure_served(server, mode, model_dir, profile.engines, profile.roles, profile.corun,
-                                        seed=seed, streams=streams)
+                                        seed=seed, streams=streams, transfer=profile.transfer,
+                                        kv_bytes_per_token=profile.kv_bytes_per_token)
                 served.start_s = profile.serving[mode].start_s
                 mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served),
                                           "streams": streams})

@@ -133,6 +133,10 @@ class ServingProfile:
     # colocated: what a step that takes a prompt beside decoding streams costs beyond its decodes
     # and that prompt's served prefill (seconds, may be < 0); None: not measured (0)
     mixed_extra_s: float | None = None
+    # disaggregated: the KV handoff beside decoding streams as served (the phase records' exposed
+    # transfer: from the first token until the prefill worker sent its last block) beyond the
+    # profiled raw transfer of those bytes; None: not measured (0)
+    handoff_extra_s: float | None = None
     # disaggregated on one host, as served: a decode step while the prefill worker computes over
     # one while it does not, and a prefill beside decoding streams over a lone one (the phase
     # records); None: the profile's offline ``corun`` figures stand

@@ -11,8 +11,9 @@ What it models, as pdserve runs (``docs/capacity.md`` says what it leaves out):
   less than the ITL budget allows) of them, chunking a long prompt across steps (a prefill
   worker adds another prompt only under ``prefill_pack_tokens``); the step costs
   the profile's mixed step. A prompt's first token comes at the end of the step that finished it.
-* The KV handoff: the decode worker receives the request ``transfer_s(prompt KV bytes)`` after the
-  first token and admits it at its next step boundary.
+* The KV handoff: the decode worker receives the request ``transfer_s(prompt KV bytes)`` (plus
+  the served ``handoff_extra_s`` where measured) after the first token and admits it at its next
+  step boundary.
 * Continuous batching: a decode worker admits waiting sequences at every step boundary while it
   has fewer than ``max_num_seqs`` running and KV blocks for the sequence's whole length; each
   step gives every running sequence a token. Between two events (an arrival, a finish) nothing
@@ -240,6 +241,8 @@ class Simulator:
             self.de = profile.role("colocated" if colocated else "decode")
         # a colocated step that takes prompts beside decoding streams: its cost beyond its parts
         self.mixed_extra = float(served.mixed_extra_s or 0.0) if colocated else 0.0
+        # the handoff as served: its control messages and a busy prefill worker's sends
+        self.handoff_extra = max(0.0, float(served.handoff_extra_s or 0.0)) if not colocated else 0.0
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)
         self.kc = self.de.decode_s_per_ctx_token
         self.A = [0.0] + [self.de.decode_step_s(b, b * self.de.decode_ctx) - self.kc * b * self.de.decode_ctx
@@ -315,7 +318,7 @@ class Simulator:
         max_seqs, max_batched, block = self.max_seqs, self.max_batched, self.block
         A, kc, itl_over = self.A, self.kc, self.itl_over
         de, pe, mixed_extra = self.de, self.pe, self.mixed_extra
-        kv_bytes, transfer_s = self.kv_bytes, self.profile.transfer.transfer_s
+        kv_bytes, transfer_s, handoff_extra = self.kv_bytes, self.profile.transfer.transfer_s, self.handoff_extra
         ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
         prefill_x, decode_x = self.prefill_x, self.decode_x
         paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
@@ -500,7 +503,8 @@ class Simulator:
                             continue
                         if w.role == "prefill":
                             seq += 1
-                            push(heap, (t + transfer_s(pl[r] * kv_bytes), seq, _READY, False, dworker[r], r))
+                            push(heap, (t + transfer_s(pl[r] * kv_bytes) + handoff_extra, seq, _READY, False,
+                                        dworker[r], r))
                         else:
                             # prefilled here: decodes from the next step; its KV is already reserved
                             w.kv_free += item[2]

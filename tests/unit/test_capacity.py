@@ -500,3 +500,16 @@ def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None
     assert prompt_gap > 3 * a.itl_percentile(50)
     assert b.itl_percentile(100) == pytest.approx(prompt_gap, rel=1e-6)     # not three times it
     assert b.itl_percentile(95) == pytest.approx(3 * a.itl_percentile(50), rel=1e-3)   # decode gaps are spread
+
+
+def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> None:
+    plain = profile()
+    slow = profile(serving={"disaggregated": ServingProfile(handoff_extra_s=0.02)})
+    a = run(plain, "disaggregated", [0.0], [128], [5])
+    b = run(slow, "disaggregated", [0.0], [128], [5])
+    assert b.ttft_s[0] == pytest.approx(a.ttft_s[0])
+    assert b.e2e_s[0] == pytest.approx(a.e2e_s[0] + 0.02)
+    assert b.itl_percentile(100) == pytest.approx(a.itl_percentile(100) + 0.02)   # the gap after the handoff
+    # a colocated worker hands nothing off
+    co = profile(serving={"colocated": ServingProfile(handoff_extra_s=0.02)})
+    assert run(co, "colocated", [0.0], [128], [5]).e2e_s[0] == pytest.approx(run(plain, "colocated", [0.0], [128], [5]).e2e_s[0])
