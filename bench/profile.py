@@ -20,11 +20,13 @@ the median of repeated real engine steps:
   (128 prompt tokens, 16 out) one at a time; what the quickest of them take beyond the profiled
   engine steps (first token; median token gap) is the path's overhead (HTTP, router, Ray calls,
   the handoff's control messages), and ``pdserve up``'s time is the cluster's start time; then
-  two waves of 8 streams at once: their steady token gaps against the profiled decode step at
-  batch 8 say how much slower the engine steps when served on this host (the router, Ray and the
-  client share its cores), a factor the simulator applies to that mode's steps; and, disaggregated,
-  decoding streams while one-token requests keep the prefill worker busy: the two workers' steps
-  beside each other as served.
+  8 streams at once (disaggregated, two waves in lockstep; colocated, streams of varied lengths
+  each replaced as it ends, as under a load): their token gaps against the profiled decode step
+  at that batch say how much slower the engine steps when served on this host (the router, Ray
+  and the client share its cores), a factor the simulator applies to that mode's steps; requests
+  beside decoding streams (colocated: their step's cost beyond its parts; disaggregated: their KV
+  handoff as served); and, disaggregated, decoding streams while one-token requests keep the
+  prefill worker busy: the two workers' steps beside each other as served.
 
 Bounded: about 3-4 minutes for the ``small`` model on 2 cores (``--quick``: fewer points, ~1 minute
 without the served part).
@@ -277,14 +279,20 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     * lone requests, one at a time: the engines' own prefill times in their phase records against
       the profiled prefill step (``prefill_x``), and what the client waits beyond them for a first
       token (``ttft_overhead_s``);
-    * waves of ``streams`` streams: their steady token gaps against the profiled decode step
-      at that batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the
-      host since the profile); ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one
-      sequence's decode step only when no busy gap was measured; their gaps in which no stream
-      arrived, started or ended, over their median, are the token-gap jitter (``itl_jitter``);
-    * requests one at a time beside ``streams - 1`` decoding streams: what a first token
-      pays beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``);
-      disaggregated, also the one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
+    * ``streams`` streams at once, their token gaps against the profiled decode step at that
+      batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the host
+      since the profile). Disaggregated, two waves in lockstep, their steady gaps; the gaps in
+      which no stream arrived, started or ended, over their median, are the token-gap jitter
+      (``itl_jitter``). Colocated, streams of varied lengths each replaced as it ends
+      (``_staggered_steps``: the gaps without a prompt in their step, each against the step at
+      the batch decoding then; their median is ``step_x``, the same ratios over it the jitter).
+      ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one sequence's decode step
+      only when no busy gap was measured;
+    * requests one at a time beside ``streams - 1`` decoding streams: what a first token pays
+      beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``;
+      colocated, read directly: the client's wait beyond its engine's TTFT); colocated, also
+      their own step against its modelled parts (``mixed_extra_s``); disaggregated, also the
+      one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
     * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
       from the first token until the last block was sent) beyond the profiled raw transfer of
       those bytes (``handoff_extra_s``);
@@ -295,10 +303,10 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       prefill read 1.2-1.45x the lone one where the loads' own phase records said 1.0-1.1x).
 
     ``pdserve profile`` calls it once per mode with ``BUSY_STREAMS`` streams; ``bench simulate``
-    again on the server under test, just before each load, with a fresh ``seed`` (new prompts, so
-    no prefix is cached) and as many ``streams`` as the load will keep decoding on a worker
-    (served steps do not grow with the batch as the engine's own do, so a factor read at 8
-    streams does not hold at 16)."""
+    again on the server under test, before and after each load, with a fresh ``seed`` (new
+    prompts, so no prefix is cached) and as many ``streams`` as a decoding request of the load
+    sees beside it (served steps do not grow with the batch as the engine's own do, so a factor
+    read at 8 streams does not hold at 16)."""
     import asyncio
 
     from pdserve.bench.serve_load import GroupSpec, Target, run_load
@@ -363,13 +371,13 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     # the jitter: steady gaps in which no stream of the run arrived, got its first token or
     # ended (the simulator runs those steps itself), over their median (colocated: the staggered
     # streams' decode steps over the profiled ones at their batch, over their median)
-    marks = sorted(t for r in busy.records if r.ok for t in (r.sent, r.token_times[0], r.token_times[-1]))
-    clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
-             if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
-    # colocated, staggered: the decode steps' gaps over the profiled step at their batch
     staggered = _staggered_steps(busy.records, dec_eng) if mode == "colocated" else None
     if staggered is not None:
         clean = staggered[0]
+    else:
+        marks = sorted(t for r in busy.records if r.ok for t in (r.sent, r.token_times[0], r.token_times[-1]))
+        clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
+                 if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
     itl_jitter = None
     if len(clean) >= 2 * JITTER_QUANTILES:
         ratios = sorted(g / statistics.median(clean) for g in clean)
