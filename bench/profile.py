@@ -25,8 +25,9 @@ the median of repeated real engine steps:
   at that batch say how much slower the engine steps when served on this host (the router, Ray
   and the client share its cores), a factor the simulator applies to that mode's steps; requests
   beside decoding streams (colocated: their step's cost beyond its parts; disaggregated: their KV
-  handoff as served); and, disaggregated, decoding streams while one-token requests keep the
-  prefill worker busy: the two workers' steps beside each other as served.
+  handoff as served); and, disaggregated, streams of varied lengths each replaced as it ends, so
+  the prefill worker takes prompts while the decode worker decodes: the two workers' steps
+  beside each other as served.
 
 Bounded: about 3-4 minutes for the ``small`` model on 2 cores (``--quick``: fewer points, ~1 minute
 without the served part).
@@ -43,7 +44,9 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.bench.engine import EngineDecode, engine_prefill
@@ -216,10 +219,12 @@ SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
 BUSY_STREAMS, BUSY_OUT = 8, 48
 STAGGER_ROUNDS = 3      # colocated: requests per stream in the staggered busy measurement
 BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
+# colocated: the probes beside decoding streams alternate prompts of SERVED_PROMPT and of this
+# many tokens, so a step's prompt tokens get their own factor and its fixed cost is read apart
+# (steps that packed two to four queued prompts, 256-512 tokens, cost about the profiled prefill
+# of their tokens, where a lone prompt's step is read x0.76-0.9 of it: engine step records, 2026-12-05)
+MIXED_LONG_PROMPT, MIXED_PROBES, MIXED_BACKGROUND_OUT = 384, 12, 320
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
-# disaggregated: decoding streams while the prefill worker is kept busy without a pause (two
-# one-token requests always in flight), as it is under a heavy load
-SATURATED_KEEPERS, SATURATED_DELAY_S = 16, 1.0
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -239,15 +244,59 @@ def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile
     return out
 
 
+def mixed_step_fit(steps: dict[int, list[float]], prefill_s: Callable[[int], float],
+                   min_each: int = 3) -> tuple[float, float] | None:
+    """Colocated steps that took one prompt beside decoding streams, less those decodes, by the
+    prompt's length: the line through the medians of the shortest and the longest length against
+    the profiled prefill of that many tokens. Returns (factor on the prefill, fixed seconds), or
+    None without ``min_each`` steps at two lengths or with a factor outside 0.25-4 (noise)."""
+    lengths = sorted(n for n, xs in steps.items() if len(xs) >= min_each)
+    if len(lengths) < 2:
+        return None
+    lo, hi = lengths[0], lengths[-1]
+    x_lo, x_hi = statistics.median(steps[lo]), statistics.median(steps[hi])
+    p_lo, p_hi = prefill_s(lo), prefill_s(hi)
+    if p_hi <= p_lo:
+        return None
+    factor = (x_hi - x_lo) / (p_hi - p_lo)
+    if not 0.25 <= factor <= 4.0:
+        return None
+    return factor, x_lo - factor * p_lo
+
+
 def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float], float] | None:
     """Staggered streams' decode steps against the profiled ones: the token gaps from the first
     stream's end to the last stream's start (streams out of step, the batch full) in whose step no
     stream got its first token (a prompt's step, which the simulator runs itself), each over the
     profiled step at the batch decoding then (the streams started and not yet ended). Returns
     (those ratios, the mean batch), or None with fewer than 50 of them."""
+    steps = _staggered_gaps(records, dec_eng)
+    if len(steps) < 50:
+        return None
+    return [x for _, _, x, _ in steps], statistics.fmean(b for _, _, _, b in steps)
+
+
+def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[float]]:
+    """Disaggregated staggered streams: their decode steps against the profiled ones
+    (``_staggered_gaps``) split by whether a prompt was being prefilled meanwhile (its phase
+    record's ``prefill_s`` before its first token), and the prefill times of the prompts sent after
+    the first stream ended (the first round's all queue at once). Returns (beside, apart, those
+    prefill times)."""
+    done = [r for r in records if r.ok]
+    first_end = min((r.token_times[-1] for r in done), default=0.0)
+    timed = [r for r in done if r.phase and (r.phase.get("prefill_s") or 0) > 0]
+    spans = [(r.token_times[0] - r.phase["prefill_s"], r.token_times[0]) for r in timed]
+    beside, apart = [], []
+    for a, b, x, _ in _staggered_gaps(done, dec_eng):
+        (beside if any(lo < b and hi > a for lo, hi in spans) else apart).append(x)
+    return beside, apart, [r.phase["prefill_s"] for r in timed if r.sent >= first_end]
+
+
+def _staggered_gaps(records: list, dec_eng: EngineProfile) -> list[tuple[float, float, float, int]]:
+    """``_staggered_steps``' gaps one by one: (start, end, over the profiled step, batch)."""
     done = [r for r in records if r.ok and len(r.token_times) > 2]
     if not done:
-        return None
+        return []
     firsts = sorted(r.token_times[0] for r in done)
     lasts = sorted(r.token_times[-1] for r in done)
     lo, hi = lasts[0], max(r.sent for r in done)
@@ -255,7 +304,7 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     # a prompt's step is longer than a decode step by about its prefill: a gap past half of that
     # is one even where its first token reached the client late
     half_prefill = dec_eng.prefill_step_s(SERVED_PROMPT) / 2
-    ratios, batches = [], []
+    out = []
     for r in done:
         for a, b in zip(r.token_times[1:], r.token_times[2:]):
             if a < lo or b > hi or bisect.bisect_right(firsts, b + tol) > bisect.bisect_right(firsts, a + tol):
@@ -264,11 +313,8 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
             step = dec_eng.decode_step_s(batch, batch * (SERVED_PROMPT + BUSY_OUT / 2))
             if b - a > step + half_prefill:
                 continue
-            ratios.append((b - a) / step)
-            batches.append(batch)
-    if len(ratios) < 50:
-        return None
-    return ratios, statistics.fmean(batches)
+            out.append((a, b, (b - a) / step, batch))
+    return out
 
 
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -296,11 +342,13 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
       from the first token until the last block was sent) beyond the profiled raw transfer of
       those bytes (``handoff_extra_s``);
-    * disaggregated, ``streams - 1`` decoding streams while one-token requests, two at a time,
-      keep the prefill worker busy without a pause: their gaps then against their gaps before is
-      ``corun_decode_x``, and those requests' prefill times against the lone ones'
-      ``corun_prefill_x`` (the single probes' figures when these could not be read: a probe's
-      prefill read 1.2-1.45x the lone one where the loads' own phase records said 1.0-1.1x).
+    * disaggregated, ``streams`` streams of varied lengths, each replaced as it ends (a load's
+      pattern: the prefill worker takes the replacements' prompts while the others decode): their
+      token gaps while a prompt was prefilled, against the profiled step at the batch then, over
+      the waves' ``step_x`` is ``corun_decode_x``, and those prompts' prefill times against the
+      lone ones' ``corun_prefill_x`` (the single probes' figures when these could not be read:
+      a probe's prefill read 1.2-1.45x the lone one where the loads' own phase records said
+      1.0-1.1x).
 
     ``pdserve profile`` calls it once per mode with ``BUSY_STREAMS`` streams; ``bench simulate``
     again on the server under test, before and after each load, with a fresh ``seed`` (new
@@ -323,7 +371,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                       concurrency=1, seed=seed + 1)
     res = asyncio.run(run_load(target, [group], time_limit_s=180))
     lone_ttfts = [r.token_times[0] - r.sent for r in res.records if r.ok]
-    # the background's prompts are all prefilled by then: probes and keepers queue behind none of them
+    # the background's prompts are all prefilled by then: the probes queue behind none of them
     ramp_s = (streams - 1) * (statistics.median(lone_ttfts) if lone_ttfts else 0.2)
     if mode == "colocated":
         # streams of varied lengths, each replaced as it ends, so they decode out of step, prompts
@@ -336,18 +384,27 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
                                concurrency=streams, seed=seed + 2)
     busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
+    colocated = mode == "colocated"
     background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
-                           output_len=BESIDE_BACKGROUND_OUT, concurrency=streams - 1, seed=seed + 3)
-    probes = GroupSpec("beside", BESIDE_PROBES, prompt_len=SERVED_PROMPT, output_len=4, concurrency=1,
-                       start_delay_s=ramp_s + BESIDE_DELAY_S, seed=seed + 4)
-    beside = asyncio.run(run_load(target, [background, probes], time_limit_s=300))
+                           output_len=MIXED_BACKGROUND_OUT if colocated else BESIDE_BACKGROUND_OUT,
+                           concurrency=streams - 1, seed=seed + 3)
+    with tempfile.TemporaryDirectory(prefix="pdserve-served-") as tmp:
+        trace = None
+        if colocated:   # prompts of two lengths, alternating
+            trace = Path(tmp) / "probes.jsonl"
+            trace.write_text("".join(json.dumps({"prompt_len": n, "output_len": 4}) + "\n"
+                                     for n in (SERVED_PROMPT, MIXED_LONG_PROMPT)))
+        probes = GroupSpec("beside", MIXED_PROBES if colocated else BESIDE_PROBES, prompt_len=SERVED_PROMPT,
+                           output_len=4, concurrency=1, start_delay_s=ramp_s + BESIDE_DELAY_S, seed=seed + 4,
+                           trace=trace)
+        beside = asyncio.run(run_load(target, [background, probes], time_limit_s=300))
     saturated = None
     if mode == "disaggregated":
-        sat_background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
-                                   output_len=BESIDE_BACKGROUND_OUT, concurrency=streams - 1, seed=seed + 5)
-        keepers = GroupSpec("keeper", SATURATED_KEEPERS, prompt_len=SERVED_PROMPT, output_len=1, concurrency=2,
-                            start_delay_s=ramp_s + SATURATED_DELAY_S, seed=seed + 6)
-        saturated = asyncio.run(run_load(target, [sat_background, keepers], time_limit_s=300))
+        # streams of varied lengths, each replaced as it ends: decoding out of step while the
+        # prefill worker takes the replacements' prompts, as under a load
+        saturated = asyncio.run(run_load(target, [GroupSpec(
+            "busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT, output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2),
+            concurrency=streams, seed=seed + 5)], time_limit_s=300))
     ok = [r for r in res.records if r.ok]
     if len(ok) < SERVED_REQUESTS // 2:
         raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
@@ -403,7 +460,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     bg = [r for r in beside.records if r.group == "background" and r.ok]
     bg_end = min((r.token_times[-1] for r in bg), default=0.0)
     probes_in = [r for r in beside.records if r.group == "beside" and r.ok and r.token_times[-1] < bg_end]
-    probe_ttfts = [r.token_times[0] - r.sent for r in probes_in]
+    probe_ttfts = [r.token_times[0] - r.sent for r in probes_in if r.prompt_len == SERVED_PROMPT]
     corun_prefill_x = corun_decode_x = None
     corun_how = ""
     if mode == "disaggregated" and len(bg) == streams - 1 and prefill_x is not None:
@@ -434,52 +491,65 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         handoff_extra = statistics.median(exposed) - raw
         corun_how += (f"; KV handoff beside decoding streams {statistics.median(exposed) * 1e3:.1f} ms exposed "
                       f"against {raw * 1e3:.1f} ms raw ({handoff_extra * 1e3:+.1f} ms)")
-    if saturated is not None:
-        # the prefill worker never idle: the background's gaps from the first one-token request's
-        # prefill to the last one's end, against its gaps before the first was sent. This is what
-        # a heavy load does to the decode worker on one host (the prefill core full, so the
-        # unpinned router, client and Ray run on the decode worker's; a handoff landing at every
-        # prefill), which single probes one at a time do not show; it stands for the probes' figure.
-        sbg = [r for r in saturated.records if r.group == "background" and r.ok]
-        keep = [r for r in saturated.records if r.group == "keeper" and r.ok]
-        if len(sbg) == streams - 1 and len(keep) >= SATURATED_KEEPERS // 2:
-            all_in = max(r.token_times[0] for r in sbg)
-            sbg_end = min(r.token_times[-1] for r in sbg)
-            on, off = min(r.sent for r in keep), max(r.token_times[-1] for r in keep)
-            spans = [(a, b) for r in sbg for a, b in zip(r.token_times[1:], r.token_times[2:])
-                     if a >= all_in and b <= sbg_end]
-            apart_gaps = [b - a for a, b in spans if b <= on]
-            beside_gaps = [b - a for a, b in spans if a >= on and b <= off]
-            # the one-token requests' own prefill times (phase records) while the streams decoded
-            keep_prefill = [r.phase["prefill_s"] for r in keep if r.phase and (r.phase.get("prefill_s") or 0) > 0
-                            and r.token_times[-1] <= sbg_end]
-            if len(apart_gaps) >= 20 and len(beside_gaps) >= 20 and len(keep_prefill) >= SATURATED_KEEPERS // 2 \
-                    and prefill_x is not None:
-                probes_x, probes_px = corun_decode_x, corun_prefill_x
-                corun_decode_x = statistics.median(beside_gaps) / statistics.median(apart_gaps)
-                corun_prefill_x = statistics.median(keep_prefill) / (prefill_x * first)
-                corun_how += (f"; decode gaps {statistics.median(beside_gaps) * 1e3:.1f} ms while the prefill "
-                              f"worker was never idle, {statistics.median(apart_gaps) * 1e3:.1f} ms before: "
-                              f"decode x{corun_decode_x:.2f} beside prefills, their prefills "
-                              f"{statistics.median(keep_prefill) * 1e3:.0f} ms: x{corun_prefill_x:.2f} beside decoding"
-                              + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
-                                 if probes_x is not None and probes_px is not None else ""))
-    mixed_extra = None
+    if saturated is not None and steady and prefill_x is not None:
+        # one host, under a load's pattern: staggered streams' token gaps against the profiled
+        # step at the batch then, while the prefill worker was idle (step_x, where there are
+        # enough of them; else the waves') and while it computed a replacement's prompt (its
+        # phase record's prefill before its first token): over step_x, corun_decode_x (the
+        # simulator runs such a step at step_x * corun_decode_x). Those prompts' prefills against
+        # the lone ones are corun_prefill_x; the first round's, all queued at once, are left out.
+        # Lockstep waves beside one-token requests that kept the prefill worker busy read x0.92
+        # of these loads' own decode steps (engine step records, 2026-12-05), as lockstep
+        # colocated waves did against staggered streams.
+        beside_x, apart_x, later = _beside_prefills(saturated.records, dec_eng)
+        if len(beside_x) >= 20 and len(later) >= streams // 2 + 1:
+            probes_x, probes_px = corun_decode_x, corun_prefill_x
+            waves_x = step_x
+            if len(apart_x) >= 50:
+                # the decode steps while the prefill worker is idle, in the same pattern: at 10
+                # streams x0.78 here where the lockstep waves read x0.64 (at 3 streams, alike)
+                step_x = statistics.median(apart_x)
+            corun_decode_x = statistics.median(beside_x) / step_x
+            corun_prefill_x = statistics.median(later) / (prefill_x * first)
+            corun_how += (f"; {streams} staggered streams: {len(beside_x)} token gaps while the prefill worker "
+                          f"computed x{statistics.median(beside_x):.2f} of the profiled step"
+                          + (f", {len(apart_x)} while not x{statistics.median(apart_x):.2f}" if apart_x else "")
+                          + f" (the waves x{waves_x:.2f}): decode steps x{step_x:.2f}, x{corun_decode_x:.2f} "
+                          f"beside prefills; {len(later)} of their prefills {statistics.median(later) * 1e3:.0f} ms: "
+                          f"x{corun_prefill_x:.2f} beside decoding"
+                          + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
+                             if probes_x is not None and probes_px is not None else ""))
+    mixed_extra = mixed_prefill_x = None
     # colocated: each probe's own step (its engine's time from first scheduled to first token: one
-    # step with the background's decodes) against the modelled one, and what the client waited
-    # beyond its engine's TTFT, both read from the phase records; the TTFT below is the fallback
+    # step with the background's decodes) less those decodes, against the profiled prefill of its
+    # prompt (two lengths: a factor and a fixed part), and what the client waited beyond its
+    # engine's TTFT, both read from the phase records; the TTFT below is the fallback
     timed_in = [r for r in probes_in if r.phase and r.phase.get("ttft_s") is not None
                 and r.phase.get("queue_s") is not None]
-    if mode == "colocated" and len(bg) == streams - 1 and len(timed_in) >= BESIDE_PROBES // 2:
-        ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
-        mixed = statistics.median(r.phase["ttft_s"] - r.phase["queue_s"] for r in timed_in)
-        modelled = (step_x * (dec_eng.decode_step_s(streams - 1, ctx) - dec_eng.decode_step_s(1, dec_eng.decode_ctx))
-                    + p_x * first)
-        mixed_extra = mixed - modelled
+    by_len: dict[int, list[float]] = {}
+    if mode == "colocated":
+        ctx = (streams - 1) * (SERVED_PROMPT + MIXED_BACKGROUND_OUT / 2)
+        decodes = step_x * (dec_eng.decode_step_s(streams - 1, ctx) - dec_eng.decode_step_s(1, dec_eng.decode_ctx))
+        for r in timed_in:
+            by_len.setdefault(r.prompt_len, []).append(r.phase["ttft_s"] - r.phase["queue_s"] - decodes)
+    if mode == "colocated" and len(bg) == streams - 1 and len(by_len.get(SERVED_PROMPT, [])) >= 3:
+        prefill_of = engines[str(roles[first_role])].prefill_step_s
+        fit = mixed_step_fit(by_len, prefill_of)
+        short = statistics.median(by_len[SERVED_PROMPT])
+        if fit is not None:
+            mixed_prefill_x, mixed_extra = fit
+            long = max(by_len)
+            beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their steps less "
+                          f"the decodes {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt tokens, "
+                          f"{statistics.median(by_len[long]) * 1e3:.0f} ms at {long}: x{mixed_prefill_x:.2f} "
+                          f"of the profiled prefill {mixed_extra * 1e3:+.0f} ms")
+        else:
+            mixed_extra = short - p_x * first
+            beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their steps less "
+                          f"the decodes {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt tokens against a "
+                          f"{p_x * first * 1e3:.0f} ms served prefill ({mixed_extra * 1e3:+.0f} ms)")
         over_busy = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["ttft_s"] for r in timed_in))
-        beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their step "
-                      f"{mixed * 1e3:.0f} ms against {modelled * 1e3:.0f} ms of decodes and served prefill "
-                      f"({mixed_extra * 1e3:+.0f} ms), +{over_busy * 1e3:.0f} ms beyond their engine's TTFT")
+        beside_how += f", +{over_busy * 1e3:.0f} ms beyond their engine's TTFT"
     elif len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
         ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
         if mode == "colocated":
@@ -498,7 +568,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                       f"first step there")
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
-        step_x=step_x, prefill_x=prefill_x, mixed_extra_s=mixed_extra, handoff_extra_s=handoff_extra,
+        step_x=step_x, prefill_x=prefill_x, mixed_prefill_x=mixed_prefill_x, mixed_extra_s=mixed_extra,
+        handoff_extra_s=handoff_extra,
         corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
         itl_jitter=itl_jitter,
         start_s=server.start_s,
@@ -626,6 +697,8 @@ def format_profile(p: Profile) -> str:
         steps = f"decode steps x{sp.step_x:.2f}" + (f", prefill x{sp.prefill_x:.2f}" if sp.prefill_x else "")
         if sp.handoff_extra_s is not None:
             steps += f", {sp.handoff_extra_s * 1e3:+.1f} ms to a KV handoff"
+        if sp.mixed_prefill_x is not None:
+            steps += f", prompts beside decodes x{sp.mixed_prefill_x:.2f}"
         if sp.mixed_extra_s is not None:
             steps += f", {sp.mixed_extra_s * 1e3:+.0f} ms to a step taking a prompt beside decodes"
         if sp.corun_decode_x is not None:

@@ -166,6 +166,12 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
     fields = {k: avg(getattr(a, k), getattr(b, k))
               for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
                         "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "start_s")}
+    # a prompt step's factor and fixed part are one line: where only one calibration fitted it,
+    # its line stands, not its factor beside the other's fixed part of another meaning
+    if (a.mixed_prefill_x is None) != (b.mixed_prefill_x is None):
+        fitted = a if a.mixed_prefill_x is not None else b
+        fields["mixed_extra_s"] = fitted.mixed_extra_s
+    fields["mixed_prefill_x"] = avg(a.mixed_prefill_x, b.mixed_prefill_x)
     return ServingProfile(**fields, itl_jitter=jitter, how=f"the mean of two calibrations: {a.how} | {b.how}")
 
 

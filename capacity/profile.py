@@ -130,8 +130,12 @@ class ServingProfile:
     # the same for prefill steps: the served prefill (the engines' own phase records of lone
     # requests) over the profiled one; None: step_x stands for it
     prefill_x: float | None = None
-    # colocated: what a step that takes a prompt beside decoding streams costs beyond its decodes
-    # and that prompt's served prefill (seconds, may be < 0); None: not measured (0)
+    # colocated: a step that takes prompts beside decoding streams costs its decodes (step_x),
+    # less one sequence's decode, plus mixed_prefill_x times the profiled prefill of its prompt
+    # tokens, plus mixed_extra_s. Measured with prompts of two lengths beside streams, so both the
+    # factor and the fixed part are read; mixed_prefill_x None: prefill_x stands for the factor
+    # (mixed_extra_s is then measured at one length). mixed_extra_s None: 0; it may be < 0
+    mixed_prefill_x: float | None = None
     mixed_extra_s: float | None = None
     # disaggregated: the KV handoff beside decoding streams as served (the phase records' exposed
     # transfer: from the first token until the prefill worker sent its last block) beyond the

@@ -239,8 +239,12 @@ class Simulator:
             profile = profile.scaled(served.step_x, served.prefill_x)
             self.pe = profile.role("prefill")
             self.de = profile.role("colocated" if colocated else "decode")
-        # a colocated step that takes prompts beside decoding streams: its cost beyond its parts
+        # a colocated step that takes prompts beside decoding streams: its prompt tokens at their
+        # own factor where measured, and its cost beyond its parts
         self.mixed_extra = float(served.mixed_extra_s or 0.0) if colocated else 0.0
+        self.de_mixed = self.de
+        if colocated and served.mixed_prefill_x is not None:
+            self.de_mixed = self.profile.scaled(served.step_x, served.mixed_prefill_x).role("colocated")
         # the handoff as served: its control messages and a busy prefill worker's sends
         self.handoff_extra = max(0.0, float(served.handoff_extra_s or 0.0)) if not colocated else 0.0
         # decode step time = A[b] + kc * C (C: contexts summed over the batch)
@@ -317,7 +321,7 @@ class Simulator:
         local_max = shape.local_prefill_max_tokens if shape.mode == "conditional" else -1
         max_seqs, max_batched, block = self.max_seqs, self.max_batched, self.block
         A, kc, itl_over = self.A, self.kc, self.itl_over
-        de, pe, mixed_extra = self.de, self.pe, self.mixed_extra
+        de, pe, de_mixed, mixed_extra = self.de, self.pe, self.de_mixed, self.mixed_extra
         kv_bytes, transfer_s, handoff_extra = self.kv_bytes, self.profile.transfer.transfer_s, self.handoff_extra
         ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
         prefill_x, decode_x = self.prefill_x, self.decode_x
@@ -381,7 +385,7 @@ class Simulator:
                     if pack is not None:
                         budget = min(budget, pack - taken)
                     slots -= 1
-                eng = pe if w.role == "prefill" else de
+                eng = pe if w.role == "prefill" else de_mixed if w.b else de
                 if chunks:
                     d = self._prefill_cost(eng, chunks, w.b, w.C)
                     if w.b and mixed_extra:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -370,6 +371,36 @@ def test_a_colocated_step_taking_a_prompt_beside_decodes_pays_the_measured_extra
         run(plain, "disaggregated", arrivals, prompts, outputs).e2e_s[0])
 
 
+def test_prompts_beside_decodes_take_their_own_factor_on_the_profiled_prefill() -> None:
+    lone = profile(serving={"colocated": ServingProfile(prefill_x=0.8)})
+    mixed = profile(serving={"colocated": ServingProfile(prefill_x=0.8, mixed_prefill_x=1.1, mixed_extra_s=0.004)})
+    # two prompts arrive together while the first request decodes: one step takes both
+    arrivals, prompts, outputs = [0.0, 0.99, 0.99], [128, 128, 128], [400, 3, 3]
+    a = run(lone, "colocated", arrivals, prompts, outputs)
+    b = run(mixed, "colocated", arrivals, prompts, outputs)
+    pre = lone.role("colocated").prefill_step_s
+    assert b.ttft_s[0] == pytest.approx(a.ttft_s[0])                        # a lone prompt: prefill_x
+    assert b.ttft_s[1] == pytest.approx(a.ttft_s[1] + 0.3 * pre(256) + 0.004)   # their 256 tokens at x1.1
+    assert b.ttft_s[2] == pytest.approx(b.ttft_s[1])
+    # the disaggregated decode path has no colocated prompt steps
+    d = profile(serving={"disaggregated": ServingProfile(prefill_x=0.8, mixed_prefill_x=1.1)})
+    plain_d = profile(serving={"disaggregated": ServingProfile(prefill_x=0.8)})
+    assert run(d, "disaggregated", arrivals, prompts, outputs).ttft_s[1] == pytest.approx(
+        run(plain_d, "disaggregated", arrivals, prompts, outputs).ttft_s[1])
+
+
+def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
+    from pdserve.bench.profile import mixed_step_fit
+
+    pre = engine().prefill_step_s                  # 0.1 s at 128 tokens, 0.4 s at 512
+    line = {n: [0.95 * pre(n) + 0.012 + e for e in (-0.003, 0.0, 0.05)] for n in (128, 512)}
+    factor, fixed = mixed_step_fit(line, pre)      # medians: the outlying step does not tilt the line
+    assert factor == pytest.approx(0.95) and fixed == pytest.approx(0.012)
+    assert mixed_step_fit({128: line[128]}, pre) is None                    # one length: no line
+    assert mixed_step_fit({128: line[128], 512: line[512][:2]}, pre) is None   # too few at the other
+    assert mixed_step_fit({128: [0.1] * 3, 512: [0.1] * 3}, pre) is None    # flat: noise, not a factor
+
+
 def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
     from pdserve.bench.simulate import mean_served
 
@@ -382,6 +413,12 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
     assert m.prefill_x == 0.8 and m.mixed_extra_s == 0.01            # one side's figure where the other lacks it
     assert m.itl_jitter == [2.0, 3.0] and m.corun_decode_x is None
     assert "a" in m.how and "b" in m.how
+    # a prompt step's factor and fixed part go together: one side's line, or both lines averaged
+    fitted = ServingProfile(mixed_prefill_x=1.0, mixed_extra_s=0.002)
+    single = ServingProfile(mixed_extra_s=0.03)
+    assert (mean_served(single, fitted).mixed_prefill_x, mean_served(single, fitted).mixed_extra_s) == (1.0, 0.002)
+    both = mean_served(fitted, ServingProfile(mixed_prefill_x=0.8, mixed_extra_s=0.01))
+    assert both.mixed_prefill_x == pytest.approx(0.9) and both.mixed_extra_s == pytest.approx(0.006)
 
 
 def test_the_example_traffic_file_loads() -> None:
@@ -487,6 +524,57 @@ def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_p
     assert len(ratios) >= 50 and 3.0 <= batch <= 4.0
     # too few steps to read: nothing
     assert _staggered_steps(records[:2], eng) is None
+
+
+def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside_them() -> None:
+    """A closed loop of 4 disaggregated streams: each replacement's prompt is prefilled for 0.1 s
+    on the other worker before its first token; a decode step that overlaps such a prefill takes
+    1.5x the profiled step, any other 1.2x."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _beside_prefills
+
+    eng = engine(1, decode=(0.02, 0.03, 0.06))
+    lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
+    prefill = 0.1
+    t, records, live, pending = 0.0, [], [], []
+
+    def send(now: float) -> None:
+        n = next(lengths, None)
+        if n is not None:
+            start = max([now] + [r.token_times[0] for r in pending])      # one prefill at a time
+            rec = SimpleNamespace(ok=True, sent=now, token_times=[start + prefill], n=n,
+                                  phase={"prefill_s": prefill})
+            records.append(rec)
+            pending.append(rec)
+
+    for _ in range(4):
+        send(0.0)
+    t = 0.4
+    while live or pending:
+        joining = [r for r in pending if r.token_times[0] <= t]
+        for r in joining:
+            pending.remove(r)
+        live.extend(joining)
+        if not live:
+            t = min(r.token_times[0] for r in pending)
+            continue
+        plain = 1.2 * eng.decode_step_s(len(live), 0)
+        busy = any(r.token_times[0] - prefill < t + plain and r.token_times[0] > t for r in pending)
+        t += 1.5 * plain / 1.2 if busy else plain
+        for rec in live:
+            rec.token_times.append(t)
+        for rec in [r for r in live if len(r.token_times) == r.n]:
+            live.remove(rec)
+            send(t)
+    beside, apart, later = _beside_prefills(records, eng)
+    assert len(beside) >= 20 and len(apart) >= 20
+    # a stream counts in the batch from its first token; here it joins at the next step, so a
+    # few steps read the batch one too high
+    assert sum(x == pytest.approx(1.5) for x in beside) >= 0.9 * len(beside)
+    assert sum(x == pytest.approx(1.2) for x in apart) >= 0.9 * len(apart)
+    assert statistics.median(beside) == pytest.approx(1.5) and statistics.median(apart) == pytest.approx(1.2)
+    assert later == [prefill] * len(later) and 0 < len(later) < len(records)   # not the first round
 
 
 def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None:
