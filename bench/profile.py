@@ -276,6 +276,17 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     return [x for _, _, x, _ in steps], statistics.fmean(b for _, _, _, b in steps)
 
 
+def _jitter_quantiles(values: list[float]) -> list[float] | None:
+    """``JITTER_QUANTILES`` equal-weight quantiles of ``values`` over their median (the simulator's
+    token-gap jitter), or None with fewer than twice that many values."""
+    if len(values) < 2 * JITTER_QUANTILES:
+        return None
+    mid = statistics.median(values)
+    ratios = sorted(v / mid for v in values)
+    return [ratios[min(len(ratios) - 1, int((k + 0.5) / JITTER_QUANTILES * len(ratios)))]
+            for k in range(JITTER_QUANTILES)]
+
+
 def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[float]]:
     """Disaggregated staggered streams: their decode steps against the profiled ones
     (``_staggered_gaps``) split by whether a prompt was being prefilled meanwhile (its phase
@@ -329,7 +340,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       batch (``step_x``: the serving stack's CPU on the workers' cores, and any drift of the host
       since the profile). Disaggregated, two waves in lockstep, their steady gaps; the gaps in
       which no stream arrived, started or ended, over their median, are the token-gap jitter
-      (``itl_jitter``). Colocated, streams of varied lengths each replaced as it ends
+      (``itl_jitter``); both stand only where the staggered streams below give too few gaps,
+      which give them as a load has them. Colocated, streams of varied lengths each replaced as it ends
       (``_staggered_steps``: the gaps without a prompt in their step, each against the step at
       the batch decoding then; their median is ``step_x``, the same ratios over it the jitter).
       ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one sequence's decode step
@@ -435,11 +447,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         marks = sorted(t for r in busy.records if r.ok for t in (r.sent, r.token_times[0], r.token_times[-1]))
         clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
                  if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
-    itl_jitter = None
-    if len(clean) >= 2 * JITTER_QUANTILES:
-        ratios = sorted(g / statistics.median(clean) for g in clean)
-        itl_jitter = [ratios[min(len(ratios) - 1, int((k + 0.5) / JITTER_QUANTILES * len(ratios)))]
-                      for k in range(JITTER_QUANTILES)]
+    itl_jitter = _jitter_quantiles(clean)
     if staggered is not None:
         step_x, n_gaps, batch = statistics.median(clean), len(clean), staggered[1]
         busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt in their step, at "
@@ -511,6 +519,13 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                 step_x = statistics.median(apart_x)
             corun_decode_x = statistics.median(beside_x) / step_x
             corun_prefill_x = statistics.median(later) / (prefill_x * first)
+            # the jitter as a load has it: each kind of gap over its own median (the simulator
+            # applies the two factors itself); the waves' clean gaps were narrower, and the
+            # simulated token-gap p99 at 0.8 of capacity 30-40% short with them (2026-12-05)
+            spread = [x / statistics.median(beside_x) for x in beside_x]
+            if apart_x:
+                spread += [x / statistics.median(apart_x) for x in apart_x]
+            itl_jitter = _jitter_quantiles(spread) or itl_jitter
             corun_how += (f"; {streams} staggered streams: {len(beside_x)} token gaps while the prefill worker "
                           f"computed x{statistics.median(beside_x):.2f} of the profiled step"
                           + (f", {len(apart_x)} while not x{statistics.median(apart_x):.2f}" if apart_x else "")

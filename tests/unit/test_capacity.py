@@ -577,6 +577,16 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     assert later == [prefill] * len(later) and 0 < len(later) < len(records)   # not the first round
 
 
+def test_the_jitter_quantiles_are_read_over_their_median() -> None:
+    from pdserve.bench.profile import JITTER_QUANTILES, _jitter_quantiles
+
+    values = [0.04] * 90 + [0.12] * 10          # one gap in ten three times the median
+    q = _jitter_quantiles(values)
+    assert len(q) == JITTER_QUANTILES and q[0] == pytest.approx(1.0) and q[-1] == pytest.approx(3.0)
+    assert sum(x == pytest.approx(3.0) for x in q) == JITTER_QUANTILES // 10
+    assert _jitter_quantiles(values[:2 * JITTER_QUANTILES - 1]) is None      # too few to read
+
+
 def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None:
     jitter = [1.0] * 90 + [3.0] * 10          # one decode gap in ten three times its median
     plain = profile()
