@@ -328,6 +328,15 @@ def _staggered_gaps(records: list, dec_eng: EngineProfile) -> list[tuple[float, 
     return out
 
 
+def _staggered_group(streams: int, seed: int):
+    """``streams`` streams of 24-72 tokens, ``STAGGER_ROUNDS`` per slot, each replaced as it ends:
+    they decode out of step while new prompts keep arriving, as under a load."""
+    from pdserve.bench.serve_load import GroupSpec
+
+    return GroupSpec("busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT,
+                     output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2), concurrency=streams, seed=seed)
+
+
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
                    corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS,
                    transfer: TransferProfile | None = None, kv_bytes_per_token: int = 0) -> ServingProfile:
@@ -356,8 +365,10 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       those bytes (``handoff_extra_s``);
     * disaggregated, ``streams`` streams of varied lengths, each replaced as it ends (a load's
       pattern: the prefill worker takes the replacements' prompts while the others decode): their
-      token gaps while a prompt was prefilled, against the profiled step at the batch then, over
-      the waves' ``step_x`` is ``corun_decode_x``, and those prompts' prefill times against the
+      token gaps against the profiled step at the batch then: those while no prompt was
+      prefilled give ``step_x`` (where 50 or more; else the waves'), those while one was, over
+      it, ``corun_decode_x``; both kinds over their own medians the jitter; those prompts'
+      prefill times against the
       lone ones' ``corun_prefill_x`` (the single probes' figures when these could not be read:
       a probe's prefill read 1.2-1.45x the lone one where the loads' own phase records said
       1.0-1.1x).
@@ -390,8 +401,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         # keep arriving and the batch stays near ``streams``, as under a load: decode steps ran
         # x1.06-1.08 slower so than in lockstep waves of the same batch (engine step records,
         # 2026-12-04); why is not known
-        busy_group = GroupSpec("busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT,
-                               output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2), concurrency=streams, seed=seed + 2)
+        busy_group = _staggered_group(streams, seed + 2)
     else:
         busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
                                concurrency=streams, seed=seed + 2)
@@ -414,9 +424,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     if mode == "disaggregated":
         # streams of varied lengths, each replaced as it ends: decoding out of step while the
         # prefill worker takes the replacements' prompts, as under a load
-        saturated = asyncio.run(run_load(target, [GroupSpec(
-            "busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT, output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2),
-            concurrency=streams, seed=seed + 5)], time_limit_s=300))
+        saturated = asyncio.run(run_load(target, [_staggered_group(streams, seed + 5)], time_limit_s=300))
     ok = [r for r in res.records if r.ok]
     if len(ok) < SERVED_REQUESTS // 2:
         raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
