@@ -264,16 +264,60 @@ def mixed_step_fit(steps: dict[int, list[float]], prefill_s: Callable[[int], flo
     return factor, x_lo - factor * p_lo
 
 
-def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float], float] | None:
+def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float], float, float | None] | None:
     """Staggered streams' decode steps against the profiled ones: the token gaps from the first
     stream's end to the last stream's start (streams out of step, the batch full) in whose step no
     stream got its first token (a prompt's step, which the simulator runs itself), each over the
-    profiled step at the batch decoding then (the streams started and not yet ended). Returns
-    (those ratios, the mean batch), or None with fewer than 50 of them."""
+    profiled step at the batch decoding then (the streams started and not yet ended).
+
+    A request sent during a step lengthens it (its HTTP request, tokenization and stream on the
+    same cores: +6 ms on a 42 ms step here, engine step records of 2026-12-05), so the gaps are
+    split by whether a request was sent within them. Returns (the ratios of the gaps without one,
+    the mean batch, what one request sent within a gap added to it in seconds: the median over
+    the gaps with exactly one, less ``step_x`` times the profiled step), or None with fewer than 50
+    gaps without a send. The cost is None with fewer than 20 gaps with one."""
     steps = _staggered_gaps(records, dec_eng)
-    if len(steps) < 50:
+    sends = sorted(r.sent for r in records if r.sent is not None)
+    free, one = [], []
+    for a, b, x, batch in steps:
+        n = bisect.bisect_right(sends, b) - bisect.bisect_right(sends, a)
+        if n == 0:
+            free.append((x, batch))
+        elif n == 1:
+            one.append((b - a, batch))
+    if len(free) < 50:
         return None
-    return [x for _, _, x, _ in steps], statistics.fmean(b for _, _, _, b in steps)
+    step_x = statistics.median(x for x, _ in free)
+    arrival = None
+    if len(one) >= 20:
+        arrival = statistics.median(g - step_x * dec_eng.decode_step_s(b, b * (SERVED_PROMPT + BUSY_OUT / 2))
+                                    for g, b in one)
+    return [x for x, _ in free], statistics.fmean(b for _, b in free), arrival
+
+
+def _probe_steps(probes: list, background: list, window_s: float = 0.5, tol_s: float = 0.02) -> dict[int, list[float]]:
+    """Colocated probes beside decoding streams: each probe's step less a decode step of the same
+    streams then, by prompt length. The step is the background streams' token gap (their median)
+    that ends with the probe's first token; the decode step the median of their gaps ending within
+    ``window_s`` of it that hold no probe's first token and no probe's send. Both come from the
+    same streams at the same moment, so the host's speed then and the batch's decodes cancel."""
+    marks = sorted(t for r in probes for t in (r.sent, r.token_times[0]))
+    out: dict[int, list[float]] = {}
+    for p in probes:
+        tf = p.token_times[0]
+        steps, near = [], []
+        for r in background:
+            tt = r.token_times
+            k = bisect.bisect_left(tt, tf - tol_s)
+            if 1 <= k < len(tt) and tt[k] <= tf + tol_s:
+                steps.append(tt[k] - tt[k - 1])
+            for a, b in zip(tt, tt[1:]):
+                if abs(b - tf) <= window_s and not abs(b - tf) <= tol_s \
+                        and bisect.bisect_right(marks, b + tol_s / 4) == bisect.bisect_right(marks, a + tol_s / 4):
+                    near.append(b - a)
+        if len(steps) >= len(background) // 2 and len(near) >= 5:
+            out.setdefault(p.prompt_len, []).append(statistics.median(steps) - statistics.median(near))
+    return out
 
 
 def _jitter_quantiles(values: list[float]) -> list[float] | None:
@@ -351,14 +395,18 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       which no stream arrived, started or ended, over their median, are the token-gap jitter
       (``itl_jitter``); both stand only where the staggered streams below give too few gaps,
       which give them as a load has them. Colocated, streams of varied lengths each replaced as it ends
-      (``_staggered_steps``: the gaps without a prompt in their step, each against the step at
-      the batch decoding then; their median is ``step_x``, the same ratios over it the jitter).
+      (``_staggered_steps``: the gaps without a prompt or a request sent in their step, each
+      against the step at the batch decoding then; their median is ``step_x``, the same ratios
+      over it the jitter; the gaps with one request sent in them, less that, what an arrival adds
+      to the step it comes in, ``arrival_s``).
       ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one sequence's decode step
       only when no busy gap was measured;
     * requests one at a time beside ``streams - 1`` decoding streams: what a first token pays
       beyond its step when the cores and the decode side are busy (``ttft_overhead_busy_s``;
       colocated, read directly: the client's wait beyond its engine's TTFT); colocated, also
-      their own step against its modelled parts (``mixed_extra_s``); disaggregated, also the
+      their own step less a decode step of the same streams then, against the profiled prefill
+      at two prompt lengths (``_probe_steps``: ``mixed_prefill_x`` and ``mixed_extra_s``);
+      disaggregated, also the
       one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
     * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
       from the first token until the last block was sent) beyond the profiled raw transfer of
@@ -398,9 +446,9 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     ramp_s = (streams - 1) * (statistics.median(lone_ttfts) if lone_ttfts else 0.2)
     if mode == "colocated":
         # streams of varied lengths, each replaced as it ends, so they decode out of step, prompts
-        # keep arriving and the batch stays near ``streams``, as under a load: decode steps ran
-        # x1.06-1.08 slower so than in lockstep waves of the same batch (engine step records,
-        # 2026-12-04); why is not known
+        # keep arriving and the batch stays near ``streams``, as under a load. Their decode steps
+        # ran x1.06-1.08 slower than lockstep waves of the same batch (engine step records,
+        # 2026-12-04): the replacements' arrivals, each lengthening the step it came in (2026-12-05)
         busy_group = _staggered_group(streams, seed + 2)
     else:
         busy_group = GroupSpec("busy", 2 * streams, prompt_len=SERVED_PROMPT, output_len=BUSY_OUT,
@@ -456,10 +504,12 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
                  if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
     itl_jitter = _jitter_quantiles(clean)
+    arrival = None
     if staggered is not None:
-        step_x, n_gaps, batch = statistics.median(clean), len(clean), staggered[1]
-        busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt in their step, at "
-                    f"{batch:.1f} streams on average: decode steps x{step_x:.2f} served")
+        step_x, n_gaps, batch, arrival = statistics.median(clean), len(clean), staggered[1], staggered[2]
+        busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt or a send in their "
+                    f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served"
+                    + (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it" if arrival is not None else ""))
     elif steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))
@@ -543,36 +593,36 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                           + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
                              if probes_x is not None and probes_px is not None else ""))
     mixed_extra = mixed_prefill_x = None
-    # colocated: each probe's own step (its engine's time from first scheduled to first token: one
-    # step with the background's decodes) less those decodes, against the profiled prefill of its
-    # prompt (two lengths: a factor and a fixed part), and what the client waited beyond its
-    # engine's TTFT, both read from the phase records; the TTFT below is the fallback
-    timed_in = [r for r in probes_in if r.phase and r.phase.get("ttft_s") is not None
-                and r.phase.get("queue_s") is not None]
-    by_len: dict[int, list[float]] = {}
-    if mode == "colocated":
-        ctx = (streams - 1) * (SERVED_PROMPT + MIXED_BACKGROUND_OUT / 2)
-        decodes = step_x * (dec_eng.decode_step_s(streams - 1, ctx) - dec_eng.decode_step_s(1, dec_eng.decode_ctx))
-        for r in timed_in:
-            by_len.setdefault(r.prompt_len, []).append(r.phase["ttft_s"] - r.phase["queue_s"] - decodes)
+    # colocated: each probe's own step less a decode step of the background then (their token
+    # gaps: _probe_steps), against the profiled prefill of its prompt (two lengths: a factor and a
+    # fixed part), and what the client waited beyond its engine's TTFT (the phase records); the
+    # TTFT below is the fallback
+    timed_in = [r for r in probes_in if r.phase and r.phase.get("ttft_s") is not None]
+    by_len = _probe_steps(probes_in, bg) if mode == "colocated" else {}
     if mode == "colocated" and len(bg) == streams - 1 and len(by_len.get(SERVED_PROMPT, [])) >= 3:
         prefill_of = engines[str(roles[first_role])].prefill_step_s
         fit = mixed_step_fit(by_len, prefill_of)
         short = statistics.median(by_len[SERVED_PROMPT])
+        # the simulator's prompt step is its decodes plus mixed_prefill_x times the prefill, less
+        # one sequence's decode, plus mixed_extra_s (EngineProfile.mixed_step_s): that decode is
+        # added back here, so the step less its decodes comes out as measured
+        one_decode = step_x * dec_eng.decode_step_s(1, dec_eng.decode_ctx)
         if fit is not None:
-            mixed_prefill_x, mixed_extra = fit
+            mixed_prefill_x, fixed = fit
+            mixed_extra = fixed + one_decode
             long = max(by_len)
-            beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their steps less "
-                          f"the decodes {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt tokens, "
-                          f"{statistics.median(by_len[long]) * 1e3:.0f} ms at {long}: x{mixed_prefill_x:.2f} "
-                          f"of the profiled prefill {mixed_extra * 1e3:+.0f} ms")
+            beside_how = (f"; {sum(map(len, by_len.values()))} requests beside {streams - 1} decoding streams: "
+                          f"their steps less a decode step then {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt "
+                          f"tokens, {statistics.median(by_len[long]) * 1e3:.0f} ms at {long}: "
+                          f"x{mixed_prefill_x:.2f} of the profiled prefill {fixed * 1e3:+.0f} ms")
         else:
-            mixed_extra = short - p_x * first
-            beside_how = (f"; {len(timed_in)} requests beside {streams - 1} decoding streams: their steps less "
-                          f"the decodes {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt tokens against a "
-                          f"{p_x * first * 1e3:.0f} ms served prefill ({mixed_extra * 1e3:+.0f} ms)")
-        over_busy = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["ttft_s"] for r in timed_in))
-        beside_how += f", +{over_busy * 1e3:.0f} ms beyond their engine's TTFT"
+            mixed_extra = short - p_x * first + one_decode
+            beside_how = (f"; {len(by_len[SERVED_PROMPT])} requests beside {streams - 1} decoding streams: their "
+                          f"steps less a decode step then {short * 1e3:.0f} ms at {SERVED_PROMPT} prompt tokens "
+                          f"against a {p_x * first * 1e3:.0f} ms served prefill")
+        if timed_in:
+            over_busy = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["ttft_s"] for r in timed_in))
+            beside_how += f", +{over_busy * 1e3:.0f} ms beyond their engine's TTFT"
     elif len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
         ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
         if mode == "colocated":
@@ -592,7 +642,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
         step_x=step_x, prefill_x=prefill_x, mixed_prefill_x=mixed_prefill_x, mixed_extra_s=mixed_extra,
-        handoff_extra_s=handoff_extra,
+        handoff_extra_s=handoff_extra, arrival_s=arrival,
         corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
         itl_jitter=itl_jitter,
         start_s=server.start_s,
@@ -724,6 +774,8 @@ def format_profile(p: Profile) -> str:
             steps += f", prompts beside decodes x{sp.mixed_prefill_x:.2f}"
         if sp.mixed_extra_s is not None:
             steps += f", {sp.mixed_extra_s * 1e3:+.0f} ms to a step taking a prompt beside decodes"
+        if sp.arrival_s is not None:
+            steps += f", +{sp.arrival_s * 1e3:.1f} ms to the step a request arrives in"
         if sp.corun_decode_x is not None:
             steps += f" (one host: decode x{sp.corun_decode_x:.2f} beside a prefill, prefill x{sp.corun_prefill_x:.2f})"
         lines.append(f"served {mode}: {steps}, +{sp.ttft_overhead_s * 1e3:.0f} ms to a first token{busy}, "

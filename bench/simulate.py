@@ -167,7 +167,8 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
         [(x + y) / 2 for x, y in zip(a.itl_jitter, b.itl_jitter)]
     fields = {k: avg(getattr(a, k), getattr(b, k))
               for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
-                        "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "start_s")}
+                        "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "arrival_s",
+                        "start_s")}
     # a prompt step's factor and fixed part are one line: where only one calibration fitted it,
     # its line stands, not its factor beside the other's fixed part of another meaning
     if (a.mixed_prefill_x is None) != (b.mixed_prefill_x is None):
@@ -300,6 +301,11 @@ def run_bench(args: argparse.Namespace) -> dict:
                                         seed=seed, streams=streams, transfer=profile.transfer,
                                         kv_bytes_per_token=profile.kv_bytes_per_token)
                 served.start_s = profile.serving[mode].start_s
+                if served.arrival_s is None:
+                    # too few requests sent during the staggered streams' decode steps to read what
+                    # one adds (a few streams): this server's last reading of it stands
+                    served.arrival_s = next((c["after"]["arrival_s"] for c in reversed(mode_calibrations)
+                                             if c["after"].get("arrival_s") is not None), None)
                 mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served),
                                           "streams": streams})
                 print(f"{mode}: served again at {streams} streams: decode steps x{served.step_x:.2f}, prefill x"

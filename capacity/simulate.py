@@ -179,7 +179,7 @@ def _mean_gap(b: int, joined: int, m: int, D0: float, g: float) -> float:
 class _Worker:
     __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "version",
                  "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec",
-                 "work_s", "work_seen")
+                 "rec_n", "work_s", "work_seen")
 
     def __init__(self, idx: int, role: str, kv_tokens: int) -> None:
         self.idx, self.role = idx, role
@@ -200,7 +200,8 @@ class _Worker:
         self.joined: list = []       # sequences admitted at the last boundary (their first gap)
         self.busy = False
         self.step_chunks: list = []  # the running step's prefill chunks: (queue item, tokens, last, done before)
-        self.rec = -1                # index of the running interval's ITL record
+        self.rec = -1                # index of the running interval's ITL record (a step's first)
+        self.rec_n = 0               # a step's ITL records from ``rec`` on
         self.work_s = 0.0            # prefill steps' time so far, and as the planner last saw it
         self.work_seen = 0.0
 
@@ -234,6 +235,8 @@ class Simulator:
                                else served.ttft_overhead_s)
         self.itl_over = served.itl_overhead_s
         self.itl_jitter = np.array(served.itl_jitter, dtype=float) if served.itl_jitter else None
+        # a request's arrival lengthens the step its first worker is running (colocated, measured)
+        self.arrival_s = max(0.0, float(served.arrival_s or 0.0))
         # engine steps as served (the profile's served measurement under load; 1 without one)
         if served.step_x != 1.0 or served.prefill_x not in (None, 1.0):
             profile = profile.scaled(served.step_x, served.prefill_x)
@@ -324,6 +327,7 @@ class Simulator:
         de, pe, de_mixed, mixed_extra = self.de, self.pe, self.de_mixed, self.mixed_extra
         kv_bytes, transfer_s, handoff_extra = self.kv_bytes, self.profile.transfer.transfer_s, self.handoff_extra
         ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
+        arrival_s = self.arrival_s
         prefill_x, decode_x = self.prefill_x, self.decode_x
         paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
         out_tokens = 0
@@ -394,6 +398,7 @@ class Simulator:
                         d *= slowdown(w)
                     w.work_s += d
                     w.step_chunks = chunks
+                    w.rec = len(itl_v)
                     for r in joined:
                         itl_v.append(t - first_t[r] + d + itl_over)
                         itl_w.append(1.0)
@@ -402,6 +407,7 @@ class Simulator:
                         itl_v.append(d + itl_over)
                         itl_w.append(float(w.b - len(joined)))
                         itl_p.append(True)
+                    w.rec_n = len(itl_v) - w.rec
                     w.busy = True
                     schedule(w, t + d, "step")
                     if paired:
@@ -471,6 +477,17 @@ class Simulator:
                 itl_w[w.rec] = float(max(0, w.b * j - len(w.joined)))
                 w.m = j
                 schedule(w, tb, "interval")
+
+        def lengthen(w: _Worker, c: float) -> None:
+            """A request arrived while ``w`` computed (``wake`` has ended its decode interval at the
+            step running then): that step takes ``c`` longer, and so do its token gaps."""
+            if w.next_kind == "interval":
+                itl_v[w.rec] += c / w.m   # the interval's mean gap: one of its m steps is longer
+            else:
+                for j in range(w.rec, w.rec + w.rec_n):
+                    itl_v[j] += c
+                w.work_s += c
+            schedule(w, w.next_t + c, w.next_kind)
 
         def boundary(w: _Worker, t: float) -> None:
             nonlocal out_tokens, last_end, seq
@@ -659,7 +676,10 @@ class Simulator:
                 p_load[p] += uncached
                 w = pw[p]
             w.pq.append([r, uncached])
+            busy = w.busy
             wake(w, t)
+            if busy and arrival_s:
+                lengthen(w, arrival_s)
 
         done = [r for r in range(n) if not math.isnan(e2e[r])]
         notes = []

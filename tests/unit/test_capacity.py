@@ -389,6 +389,54 @@ def test_prompts_beside_decodes_take_their_own_factor_on_the_profiled_prefill() 
         run(plain_d, "disaggregated", arrivals, prompts, outputs).ttft_s[1])
 
 
+def test_a_request_arriving_while_its_worker_computes_lengthens_that_step() -> None:
+    plain = profile()
+    busy = profile(serving={"colocated": ServingProfile(arrival_s=0.006)})
+    # the second arrives while the first decodes, the third while the second's prompt computes
+    arrivals, prompts, outputs = [0.0, 1.0, 1.05], [128, 128, 128], [400, 3, 3]
+    a = run(plain, "colocated", arrivals, prompts, outputs)
+    b = run(busy, "colocated", arrivals, prompts, outputs)
+    assert b.ttft_s[0] == pytest.approx(a.ttft_s[0])               # it came to an idle worker
+    # the decode step it came in, and its own prompt's step, in which the third came
+    assert b.ttft_s[1] == pytest.approx(a.ttft_s[1] + 0.012)
+    assert b.ttft_s[2] == pytest.approx(a.ttft_s[2] + 0.012)       # it waited for both
+    assert b.e2e_s[0] == pytest.approx(a.e2e_s[0] + 0.012)         # the stream waited for both
+    # the lengthened steps' token gaps are longer by it: the first stream's gap in the second's
+    # prompt step (one decode beside a 128-token prompt: the prefill step) is the longest now
+    step = plain.role("colocated").prefill_step_s(128)
+    assert a.itl_values.max() < step + 0.006
+    assert b.itl_values.max() == pytest.approx(step + 0.006)
+    # not measured for disaggregated: nothing changes there
+    d = profile(serving={"disaggregated": ServingProfile()})
+    assert run(d, "disaggregated", arrivals, prompts, outputs).ttft_s[2] == pytest.approx(
+        run(plain, "disaggregated", arrivals, prompts, outputs).ttft_s[2])
+
+
+def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then() -> None:
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _probe_steps
+
+    # three streams decode in 40 ms steps; each probe's prompt step (ending with its first
+    # token) takes 130 ms at 128 tokens and 290 at 384, while the host is 25% slower for one of them
+    def streams_with(steps):
+        t, out = 0.0, []
+        for d in steps:
+            t += d
+            out.append(t)
+        return out
+
+    steps = [0.04] * 20 + [0.13] + [0.04] * 20 + [0.05] * 10 + [0.05 + 0.11 * 1.25] + [0.05] * 10 \
+        + [0.04] * 10 + [0.29] + [0.04] * 20
+    tt = streams_with(steps)
+    background = [SimpleNamespace(token_times=[x + 0.001 * k for x in tt]) for k in range(3)]
+    probes = [SimpleNamespace(prompt_len=n, sent=tt[i - 2] + 0.01, token_times=[tt[i] + 0.002])
+              for n, i in ((128, 20), (128, 51), (384, 72))]
+    got = _probe_steps(probes, background)
+    assert got[128] == pytest.approx([0.09, 0.1375], abs=1e-9)
+    assert got[384] == pytest.approx([0.25], abs=1e-9)
+
+
 def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
     from pdserve.bench.profile import mixed_step_fit
 
@@ -488,40 +536,47 @@ def test_the_served_step_is_measured_at_the_batch_the_load_keeps_decoding() -> N
     assert operating_streams(profile(engines=flat), "disaggregated", arrivals, 128, 64, 0.1) == 9
 
 def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_prompt() -> None:
-    """A closed loop of 4 streams of varied lengths, each replaced as it ends: decode steps 1.2x
-    the profiled ones, a step that takes a new prompt 0.1 s longer. The factor is read from the
-    decode steps alone, at the batch decoding in each."""
+    """A closed loop of 4 streams of varied lengths, each replaced just after it ends: decode
+    steps 1.2x the profiled ones, a request sent during a step 6 ms longer for it, a step that
+    takes a new prompt 0.1 s longer. The factor is read from the decode steps without a send, at
+    the batch decoding in each, and the send's cost from those with one."""
     from types import SimpleNamespace
 
     from pdserve.bench.profile import _staggered_steps
 
     eng = engine(2, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
-    t, records, live, waiting = 0.0, [], [], []
+    t, records, live, waiting, sent = 0.0, [], [], [], []
 
-    def send(now: float) -> None:
+    def send(now: float, to: list) -> None:
         n = next(lengths, None)
         if n is not None:
             rec = SimpleNamespace(ok=True, sent=now, token_times=[], n=n)
             records.append(rec)
-            waiting.append(rec)
+            to.append(rec)
 
     for _ in range(4):
-        send(0.0)
-    while live or waiting:
+        send(0.0, waiting)
+    while live or waiting or sent:
+        # requests sent during the last step are prefilled in this one; those sent in this one
+        # lengthen it
         joining, waiting[:] = list(waiting), []
         decoding = list(live)
-        # the step's length: the batch's decode step (the new prompts join it), stretched 1.2x
-        t += 1.2 * eng.decode_step_s(len(decoding) + len(joining), 0) + (0.1 if joining else 0.0)
+        arriving = len(sent)
+        waiting.extend(sent)
+        sent.clear()
+        t += 1.2 * eng.decode_step_s(len(decoding) + len(joining), 0) + (0.1 if joining else 0.0) + 0.006 * arriving
         for rec in decoding + joining:
             rec.token_times.append(t)
         live[:] = decoding + joining
         for rec in [r for r in live if len(r.token_times) == r.n]:
             live.remove(rec)
-            send(t)
-    ratios, batch = _staggered_steps(records, eng)
-    assert ratios == pytest.approx([1.2] * len(ratios), rel=1e-6)   # not the prompts' steps, 0.1 s longer
+            send(t + 0.001, sent)
+    ratios, batch, arrival = _staggered_steps(records, eng)
+    # not the prompts' steps (0.1 s longer) nor those a request was sent in
+    assert ratios == pytest.approx([1.2] * len(ratios), rel=1e-6)
     assert len(ratios) >= 50 and 3.0 <= batch <= 4.0
+    assert arrival == pytest.approx(0.006, rel=1e-6)
     # too few steps to read: nothing
     assert _staggered_steps(records[:2], eng) is None
 
