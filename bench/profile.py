@@ -455,8 +455,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                                concurrency=streams, seed=seed + 2)
     busy = asyncio.run(run_load(target, [busy_group], time_limit_s=300))
     colocated = mode == "colocated"
-    background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT,
-                           output_len=MIXED_BACKGROUND_OUT if colocated else BESIDE_BACKGROUND_OUT,
+    background_out = MIXED_BACKGROUND_OUT if colocated else BESIDE_BACKGROUND_OUT
+    background = GroupSpec("background", streams - 1, prompt_len=SERVED_PROMPT, output_len=background_out,
                            concurrency=streams - 1, seed=seed + 3)
     with tempfile.TemporaryDirectory(prefix="pdserve-served-") as tmp:
         trace = None
@@ -624,7 +624,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             over_busy = max(0.0, statistics.median(r.token_times[0] - r.sent - r.phase["ttft_s"] for r in timed_in))
             beside_how += f", +{over_busy * 1e3:.0f} ms beyond their engine's TTFT"
     elif len(bg) == streams - 1 and len(probe_ttfts) >= BESIDE_PROBES // 2:
-        ctx = (streams - 1) * (SERVED_PROMPT + BESIDE_BACKGROUND_OUT / 2)
+        ctx = (streams - 1) * (SERVED_PROMPT + background_out / 2)
         if mode == "colocated":
             # a mixed step (the batch's decode plus the prompt beyond one token), after the rest of
             # the decode step running when the request came: half of one, on average. The simulator

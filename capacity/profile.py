@@ -150,9 +150,10 @@ class ServingProfile:
     # quantiles: the host's and the serving path's jitter, which the simulator's steps lack and
     # which decides an ITL p99; None: not measured (gaps as simulated)
     itl_jitter: list[float] | None = None
-    # what a request's arrival adds to the step its worker is running (the HTTP request, its
-    # tokenization, the stream it opens and the one that ends, on the same cores): the simulator
-    # lengthens that step by it; None: not measured (0). Colocated only, where it was measured
+    # what a request's arrival adds to the step its first worker (colocated or prefill) is running:
+    # the HTTP request, its tokenization, the stream it opens and the one that ends, on the same
+    # cores. The simulator lengthens that step by it; None: 0. `measure_served` reads it for
+    # colocated only (disaggregated, the one-host factors hold the arrivals' share)
     arrival_s: float | None = None
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
