@@ -290,8 +290,8 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     step_x = statistics.median(x for x, _ in free)
     arrival = None
     if len(one) >= 20:
-        arrival = statistics.median(g - step_x * dec_eng.decode_step_s(b, b * (SERVED_PROMPT + BUSY_OUT / 2))
-                                    for g, b in one)
+        arrival = max(0.0, statistics.median(g - step_x * dec_eng.decode_step_s(b, b * (SERVED_PROMPT + BUSY_OUT / 2))
+                                             for g, b in one))
     return [x for x, _ in free], statistics.fmean(b for _, b in free), arrival
 
 

@@ -158,6 +158,11 @@ class ServingProfile:
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 
+    def __post_init__(self) -> None:
+        if self.arrival_s is not None and not self.arrival_s >= 0:
+            raise ProfileError(f"serving: arrival_s (what an arrival adds to a step) must be >= 0 seconds, "
+                               f"got {self.arrival_s}")
+
 
 @dataclass(slots=True)
 class Profile:

@@ -236,7 +236,7 @@ class Simulator:
         self.itl_over = served.itl_overhead_s
         self.itl_jitter = np.array(served.itl_jitter, dtype=float) if served.itl_jitter else None
         # a request's arrival lengthens the step its first worker is running (colocated, measured)
-        self.arrival_s = max(0.0, float(served.arrival_s or 0.0))
+        self.arrival_s = float(served.arrival_s or 0.0)
         # engine steps as served (the profile's served measurement under load; 1 without one)
         if served.step_x != 1.0 or served.prefill_x not in (None, 1.0):
             profile = profile.scaled(served.step_x, served.prefill_x)

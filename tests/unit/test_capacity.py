@@ -78,6 +78,11 @@ def test_profile_round_trips_and_refuses_what_it_cannot_use(tmp_path: Path) -> N
         Profile.load(path)
     with pytest.raises(ProfileError, match="sizes must increase"):
         EngineProfile(1, [128, 16], [0.1, 0.2], [1], [0.01], 64)
+    d = prof.to_dict()
+    d["serving"]["colocated"] = {"arrival_s": -0.004}
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"arrival_s .* must be >= 0 seconds, got -0.004"):
+        Profile.load(path)
 
 
 # ------------------------------------------------------------------------------------ traffic
