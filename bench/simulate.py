@@ -29,6 +29,11 @@
    The engine's costs by size (prompt length, batch, context) stay the profile's.
    ``--recalibrate mode`` measures once per mode, ``off`` never; the errors of the profile as it
    was taken are reported too (``sim_error_*_unscaled``).
+   Each load is simulated ``--sim-seeds`` times (8) with its steps drawn around the profile's
+   times from their served spread, and the figures averaged: with every step at its median the
+   simulated load is one history in which a few milliseconds decide whether two prompts share a
+   step, so its p99s jump by 10-40% with a 2% change of the profile; a real run is one history of
+   its own. The one-history figures are kept too (``sim_error_*_deterministic``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them); with
    ``--repeats 2`` or more, each load runs that many times and ``real_spread_*`` says how far
@@ -99,6 +104,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recalibrate", choices=("load", "mode", "off"), default="load",
                    help="measure the served figures (step factors, overheads) again on the server under test: "
                         "before every load (default), once per mode, or never (the profile as it was taken)")
+    p.add_argument("--sim-seeds", type=int, default=8,
+                   help="simulate each load this many times with its steps drawn around the profile's (their "
+                        "served spread) and average the figures; 0: one run with every step at the profile's time")
     p.add_argument("--repeats", type=int, default=1, help="real loads per mode and rate (the same arrivals); with 2+, "
                    "the real runs' own spread is reported beside the simulator's error")
 
@@ -214,7 +222,12 @@ def real_figures(records: list) -> dict:
     return out
 
 
-def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
+def sim_figures(profile, mode: str, records: list, itl_target_s: float, seeds: int = 0) -> dict:
+    """The simulator's figures for the requests the client really sent (its send times, lengths and
+    shape). ``seeds``: 0 runs the steps at the profile's times (one deterministic history); N > 0
+    draws the steps N times (``Simulator.run(noise_seed=...)``) and reports the mean of each
+    figure, each run's figure being the statistic one real run gives (``sim_spread`` is their
+    standard deviation over that mean)."""
     from pdserve.capacity.simulate import simulate
 
     sent = [r for r in records if r.sent is not None]
@@ -224,10 +237,16 @@ def sim_figures(profile, mode: str, records: list, itl_target_s: float) -> dict:
     prompt = np.array([r.prompt_len for r in order])
     output = np.array([r.output_len for r in order])
     shape = load_shape(mode, itl_target_s)
-    res = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), output)
-    s = res.summary()
-    return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"], "itl_p50": s["itl_s"]["p50"],
-            "itl_p99": s["itl_s"]["p99"], "throughput": s["output_tokens_per_s"], "sim_wall_s": s["sim_wall_s"]}
+    runs = []
+    for seed in (range(seeds) if seeds > 0 else [None]):
+        s = simulate(profile, shape, arrivals, prompt, np.zeros_like(prompt), output, noise_seed=seed).summary()
+        runs.append({"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"], "itl_p50": s["itl_s"]["p50"],
+                     "itl_p99": s["itl_s"]["p99"], "throughput": s["output_tokens_per_s"],
+                     "sim_wall_s": s["sim_wall_s"]})
+    out = {m: float(np.mean([r[m] for r in runs])) for m in (*METRICS, "sim_wall_s")}
+    if len(runs) > 1:
+        out["sim_spread"] = {m: float(np.std([r[m] for r in runs]) / out[m]) if out[m] else None for m in METRICS}
+    return out
 
 
 def errors(real: dict, sim: dict) -> dict:
@@ -322,7 +341,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 print(f"{mode}: the profile, as served now, serves up to {capacity:.2f} requests/s of this traffic;"
                       " loads at " + ", ".join(f"{f:.2f} x = {r:.2f}/s" for f, r in zip(args.load, rates)), flush=True)
             for i, rate in enumerate(rates):
-                reals, sims, plain, factors = [], [], [], []
+                reals, sims, plain, steady, factors = [], [], [], [], []
                 arrivals = np.cumsum(arrival_gaps(GroupSpec("load", args.num_prompts, rate=rate,
                                                             arrival_seed=args.seed + i)))
                 streams = operating_streams(mode_profile, mode, arrivals, args.prompt_len, args.output_len,
@@ -357,8 +376,9 @@ def run_bench(args: argparse.Namespace) -> dict:
                                                                               after.serving_for(mode)))
                         before = after
                     reals.append(real_figures(result.records))
-                    sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s))
-                    plain.append(sim_figures(profile, mode, result.records, itl_target_s))
+                    sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s, args.sim_seeds))
+                    plain.append(sim_figures(profile, mode, result.records, itl_target_s, args.sim_seeds))
+                    steady.append(sim_figures(mode_profile, mode, result.records, itl_target_s))
                 real = {m: float(np.mean([r[m] for r in reals])) for m in METRICS}
                 if "phase_p50" in reals[0]:
                     ph = reals[0]["phase_p50"]
@@ -369,10 +389,12 @@ def run_bench(args: argparse.Namespace) -> dict:
                           f"{ph['decode_gap_s'] * 1e3:.0f} ms", flush=True)
                 sim = {m: float(np.mean([x[m] for x in sims])) for m in METRICS}
                 sim_plain = {m: float(np.mean([x[m] for x in plain])) for m in METRICS}
+                sim_steady = {m: float(np.mean([x[m] for x in steady])) for m in METRICS}
                 err = errors(real, sim)
                 run = {"mode": mode, "rate": rate,
                        "load_fraction": None if args.rates else args.load[i], "real": real, "sim": sim, "error": err,
                        "speed_factors": factors, "error_unscaled": errors(real, sim_plain),
+                       "sim_deterministic": sim_steady, "error_deterministic": errors(real, sim_steady),
                        "served": asdict(mode_profile.serving_for(mode)), "calibration_streams": streams,
                        "calibration_streams_first": first_streams,
                        "real_runs": reals, "sim_runs": sims}
@@ -399,6 +421,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         out[f"sim_error_{m}_median"] = float(np.median(vals)) if vals else None
         plain = [r["error_unscaled"][m] for r in runs if r["error_unscaled"][m] is not None]
         out[f"sim_error_{m}_unscaled"] = max(plain) if plain else None
+        det = [r["error_deterministic"][m] for r in runs if r["error_deterministic"][m] is not None]
+        out[f"sim_error_{m}_deterministic"] = max(det) if det else None
         spread = [r["real_spread"][m] for r in runs if "real_spread" in r]
         if spread:
             out[f"real_spread_{m}"] = max(spread)
@@ -426,6 +450,9 @@ def format_table(out: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.common import run_and_save
 
+    if args.sim_seeds < 0:
+        print("bench simulate: error: --sim-seeds must be >= 0", flush=True)
+        return 2
     if args.num_prompts < 2:
         print("bench simulate: error: --num-prompts must be >= 2", flush=True)
         return 2

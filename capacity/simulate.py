@@ -176,9 +176,46 @@ def _mean_gap(b: int, joined: int, m: int, D0: float, g: float) -> float:
     return (b * elapsed - joined * D0) / n
 
 
+class _StepNoise:
+    """Step times drawn around the profile's (``Simulator.run(noise_seed=...)``). A served engine's
+    steps vary by ~10% from one to the next; with every step at its median a simulated load is one
+    deterministic history, in which a few milliseconds decide whether two prompts share a step, so
+    its tail figures jump with small changes of the profile. Drawn steps give a history like one
+    real run; figures averaged over several seeds are the expectation over such runs.
+
+    The spread is the served token gaps' (``ServingProfile.itl_jitter``: quantiles over their
+    median), taken over their mean, so that a drawn load's steps take the profile's time on
+    average. Drawn around the median instead, they take the spread's mean, 1-4% more, and the
+    simulated loads at 0.8 of capacity came later still: TTFT p99 30% and 17% late where every
+    step at its median gave 21% and 0% (two runs, 2026-12-05). A step with prompt tokens varies
+    half as much (engine step records, 2026-12-05: p10-p90 of 128-token prompt steps beside
+    decodes x0.93-1.08 of their median, decode steps x0.86-1.16). A decode interval of ``m`` steps
+    draws once, its deviation shrunk by sqrt(m), as a sum of ``m`` independent steps'."""
+
+    PROMPT_SHARE = 0.5
+    BLOCK = 4096
+
+    def __init__(self, jitter: np.ndarray, seed: int) -> None:
+        q = np.asarray(jitter, dtype=float)
+        self.dev = (q / float(q.mean()) - 1.0).tolist()
+        self.rng = np.random.default_rng(seed)
+        self.draws: list[int] = []
+
+    def _dev(self) -> float:
+        if not self.draws:
+            self.draws = self.rng.integers(0, len(self.dev), self.BLOCK).tolist()
+        return self.dev[self.draws.pop()]
+
+    def step(self) -> float:
+        return 1.0 + self.PROMPT_SHARE * self._dev()
+
+    def interval(self, m: int) -> float:
+        return 1.0 + self._dev() / math.sqrt(max(1, m))
+
+
 class _Worker:
     __slots__ = ("idx", "role", "T", "S", "b", "C", "fin", "wait", "pq", "version",
-                 "next_t", "next_kind", "m", "D0", "g", "kv_free", "joined", "busy", "step_chunks", "rec",
+                 "next_t", "next_kind", "m", "D0", "g", "nf", "kv_free", "joined", "busy", "step_chunks", "rec",
                  "rec_n", "work_s", "work_seen")
 
     def __init__(self, idx: int, role: str, kv_tokens: int) -> None:
@@ -196,6 +233,7 @@ class _Worker:
         self.m = 0                   # interval: steps until next_t
         self.D0 = 0.0                # interval: first step's time, and its growth per step
         self.g = 0.0
+        self.nf = 1.0                # interval: its drawn time factor (``noise_seed``); D0 and g include it
         self.kv_free = kv_tokens
         self.joined: list = []       # sequences admitted at the last boundary (their first gap)
         self.busy = False
@@ -272,9 +310,14 @@ class Simulator:
 
     # ------------------------------------------------------------------ run
     def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray,
-            planner: SimPlanner | None = None) -> SimResult:
+            planner: SimPlanner | None = None, noise_seed: int | None = None) -> SimResult:
         """``planner``: the live planner scales the pools (``cluster/sim_planner.py``); the shape's
-        replica counts are then ignored for its pools' bounds (initial, min and max replicas)."""
+        replica counts are then ignored for its pools' bounds (initial, min and max replicas).
+
+        ``noise_seed``: steps take the time the profile gives them (None), or each is drawn around
+        it from the served spread (``_StepNoise``), reproducibly for one seed; a profile without a
+        served spread (``ServingProfile.itl_jitter``) has nothing to draw from, and its steps stay
+        the profile's."""
         t_wall = time.perf_counter()
         shape = self.shape
         if planner is not None and shape.shared_host:
@@ -328,6 +371,8 @@ class Simulator:
         kv_bytes, transfer_s, handoff_extra = self.kv_bytes, self.profile.transfer.transfer_s, self.handoff_extra
         ttft_over, ttft_over_busy = self.ttft_over, self.ttft_over_busy
         arrival_s = self.arrival_s
+        noise = _StepNoise(self.itl_jitter, noise_seed) if noise_seed is not None and self.itl_jitter is not None \
+            else None
         prefill_x, decode_x = self.prefill_x, self.decode_x
         paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
         out_tokens = 0
@@ -396,6 +441,8 @@ class Simulator:
                         d = max(1e-6, d + mixed_extra)
                     if paired:
                         d *= slowdown(w)
+                    if noise is not None:
+                        d *= noise.step()
                     w.work_s += d
                     w.step_chunks = chunks
                     w.rec = len(itl_v)
@@ -428,7 +475,7 @@ class Simulator:
                 x = slowdown(w)
                 D0, g = D0 * x, g * x
             m = w.fin[0][0] - w.S
-            w.D0, w.g, w.m = D0, g, m
+            # the ITL records keep the steps' own time: the jitter spreads them in the percentiles
             for r in joined:
                 itl_v.append(t - first_t[r] + D0 + itl_over)
                 itl_w.append(1.0)
@@ -437,6 +484,9 @@ class Simulator:
             itl_v.append(_mean_gap(w.b, len(joined), m, D0, g) + itl_over)
             itl_w.append(float(max(0, w.b * m - len(joined))))
             itl_p.append(False)
+            w.nf = noise.interval(m) if noise is not None else 1.0
+            D0, g = D0 * w.nf, g * w.nf
+            w.D0, w.g, w.m = D0, g, m
             w.busy = True
             schedule(w, t + m * D0 + g * m * (m - 1) / 2, "interval")
 
@@ -473,7 +523,7 @@ class Simulator:
             tb = w.T + j * D0 + g * j * (j - 1) / 2
             if tb < w.next_t - 1e-12:
                 # the interval's ITL record assumed m steps of this batch: it ran j of them
-                itl_v[w.rec] = _mean_gap(w.b, len(w.joined), j, D0, g) + itl_over
+                itl_v[w.rec] = _mean_gap(w.b, len(w.joined), j, D0 / w.nf, g / w.nf) + itl_over
                 itl_w[w.rec] = float(max(0, w.b * j - len(w.joined)))
                 w.m = j
                 schedule(w, tb, "interval")
@@ -696,5 +746,6 @@ class Simulator:
 
 
 def simulate(profile: Profile, shape: ClusterShape, arrivals: np.ndarray, prompt: np.ndarray,
-             cached: np.ndarray, output: np.ndarray, planner: SimPlanner | None = None) -> SimResult:
-    return Simulator(profile, shape).run(arrivals, prompt, cached, output, planner)
+             cached: np.ndarray, output: np.ndarray, planner: SimPlanner | None = None,
+             noise_seed: int | None = None) -> SimResult:
+    return Simulator(profile, shape).run(arrivals, prompt, cached, output, planner, noise_seed)

@@ -660,6 +660,52 @@ def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None
     assert b.itl_percentile(95) == pytest.approx(3 * a.itl_percentile(50), rel=1e-3)   # decode gaps are spread
 
 
+def test_drawn_steps_are_reproducible_per_seed_and_take_the_profiles_time_on_average() -> None:
+    jitter = [1.0] * 80 + [1.5] * 20           # one gap in five half as long again
+    shaky = profile().with_serving("colocated", ServingProfile(itl_jitter=jitter))
+    rng = np.random.default_rng(3)
+    arrivals = np.cumsum(rng.exponential(0.05, 200))
+    args = (arrivals, [128] * 200, [32] * 200)
+
+    def go(seed):
+        p = np.array(args[1])
+        return simulate(shaky, ClusterShape("colocated", 0, 1, itl_target_s=None), np.array(args[0]), p,
+                        np.zeros_like(p), np.array(args[2]), noise_seed=seed)
+
+    steady, a, again, b = go(None), go(1), go(1), go(2)
+    assert np.array_equal(a.ttft_s, again.ttft_s) and a.span_s == again.span_s       # one seed, one history
+    assert not np.array_equal(a.ttft_s, b.ttft_s)                                    # another seed, another
+    assert np.array_equal(steady.ttft_s, go(None).ttft_s)
+    # drawn around the profile's step (the spread over its mean), the load takes its time
+    assert a.span_s == pytest.approx(steady.span_s, rel=0.03)
+    assert float(np.mean([go(k).ttft_s.mean() for k in range(8)])) == pytest.approx(steady.ttft_s.mean(), rel=0.1)
+    assert np.std(a.ttft_s - steady.ttft_s) > 0.005                                 # but each step varies
+    no_spread = profile()   # nothing measured to draw from: the profile's steps as they are
+    p = np.array(args[1])
+    res = simulate(no_spread, ClusterShape("colocated", 0, 1, itl_target_s=None), np.array(args[0]), p,
+                   np.zeros_like(p), np.array(args[2]), noise_seed=1)
+    assert np.array_equal(res.ttft_s, run(no_spread, "colocated", *args).ttft_s)
+
+
+def test_bench_simulate_averages_each_figure_over_the_drawn_histories() -> None:
+    from pdserve.bench.serve_load import RequestRecord
+    from pdserve.bench.simulate import METRICS, sim_figures
+
+    shaky = profile().with_serving("colocated", ServingProfile(itl_jitter=[0.8] * 30 + [1.0] * 40 + [1.4] * 30))
+    sent = 100.0 + np.cumsum(np.random.default_rng(5).exponential(0.06, 120))
+    records = [RequestRecord("load", i, 128, 32, sent=float(t)) for i, t in enumerate(sent)]
+    steady = sim_figures(shaky, "colocated", records, 0.1)
+    drawn = sim_figures(shaky, "colocated", records, 0.1, seeds=4)
+    assert "sim_spread" not in steady and set(drawn["sim_spread"]) == set(METRICS)
+    assert drawn["ttft_p99"] != steady["ttft_p99"] and drawn["sim_spread"]["ttft_p99"] > 0
+    assert drawn["throughput"] == pytest.approx(steady["throughput"], rel=0.05)
+    one = [sim_figures(shaky, "colocated", records, 0.1, seeds=k + 1) for k in range(2)]
+    # seeds=2 is the mean of seed 0's and seed 1's figures: seeds=1 is seed 0 alone
+    assert 2 * one[1]["ttft_p50"] - one[0]["ttft_p50"] == pytest.approx(
+        simulate(shaky, ClusterShape("colocated", 0, 1, itl_target_s=0.1, shared_host=True), sent - sent[0],
+                 np.full(120, 128), np.zeros(120, dtype=int), np.full(120, 32), noise_seed=1).summary()["ttft_s"]["p50"])
+
+
 def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> None:
     plain = profile()
     slow = profile(serving={"disaggregated": ServingProfile(handoff_extra_s=0.02)})
