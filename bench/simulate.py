@@ -32,7 +32,7 @@
    Each load is simulated ``--sim-seeds`` times (8) with its steps drawn around the profile's
    times from their served spread, and the figures averaged: with every step at its median the
    simulated load is one history in which a few milliseconds decide whether two prompts share a
-   step, so its p99s jump by 10-40% with a 2% change of the profile; a real run is one history of
+   step, so its p99s jump by 10-40% with a 4% change of the profile; a real run is one history of
    its own. The one-history figures are kept too (``sim_error_*_deterministic``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them); with
@@ -378,7 +378,9 @@ def run_bench(args: argparse.Namespace) -> dict:
                     reals.append(real_figures(result.records))
                     sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s, args.sim_seeds))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s, args.sim_seeds))
-                    steady.append(sim_figures(mode_profile, mode, result.records, itl_target_s))
+                    # the one deterministic history beside them (the same runs where no step is drawn)
+                    steady.append(sims[-1] if args.sim_seeds == 0 else
+                                  sim_figures(mode_profile, mode, result.records, itl_target_s))
                 real = {m: float(np.mean([r[m] for r in reals])) for m in METRICS}
                 if "phase_p50" in reals[0]:
                     ph = reals[0]["phase_p50"]
