@@ -706,6 +706,17 @@ def test_bench_simulate_averages_each_figure_over_the_drawn_histories() -> None:
                  np.full(120, 128), np.zeros(120, dtype=int), np.full(120, 32), noise_seed=1).summary()["ttft_s"]["p50"])
 
 
+def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> None:
+    import argparse
+
+    from pdserve.bench.simulate import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--sim-seeds", "-1"])) == 2
+    assert "--sim-seeds must be >= 0" in capsys.readouterr().out
+
+
 def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> None:
     plain = profile()
     slow = profile(serving={"disaggregated": ServingProfile(handoff_extra_s=0.02)})
