@@ -442,6 +442,62 @@ def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then(
     assert got[384] == pytest.approx([0.25], abs=1e-9)
 
 
+def test_a_first_tokens_overhead_beside_decoding_streams_is_what_the_simulators_wait_leaves_out() -> None:
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _probe_wait_overhead
+
+    # three streams decode in 40 ms steps; eight probes are sent 2.5-37.5 ms before a step
+    # boundary, reach the engine 4 ms later (the one sent 2.5 ms before misses that boundary and
+    # takes the next), prefill in a 130 ms step, and every token reaches the client 6 ms after
+    # its step. The simulator waits the rest of the step running (20 ms on average) and then the
+    # probe's step: beyond those a probe pays 6 ms, plus one step in eight for the missed boundary.
+    step, own, pre, emit = 0.04, 0.13, 0.004, 0.006
+    t, ends, probes = 0.0, [], []
+    for k in range(8):
+        for _ in range(20):
+            t += step
+            ends.append(t)
+        sent = t - (0.0025 + 0.005 * k)
+        if t - sent < pre:                    # reached the engine after this boundary
+            t += step
+            ends.append(t)
+        t += own
+        ends.append(t)
+        probes.append(SimpleNamespace(prompt_len=128, sent=sent, token_times=[t + emit]))
+    for _ in range(20):
+        t += step
+        ends.append(t)
+    background = [SimpleNamespace(token_times=[x + emit + 0.0001 * j for x in ends]) for j in range(3)]
+    want = emit + step / 8
+    assert _probe_wait_overhead(probes, background, None) == pytest.approx(want, abs=2e-4)
+    # an arrival's own cost to the step it comes in is simulated already: not counted twice
+    assert _probe_wait_overhead(probes, background, 0.002) == pytest.approx(want - 0.002, abs=2e-4)
+    assert _probe_wait_overhead(probes[:2], background, None) is None     # too few probes to read
+
+
+def test_a_disaggregated_decode_gap_beside_another_streams_first_token_is_kept() -> None:
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _staggered_gaps
+
+    # 40 ms steps; a stream decoding from 1.42 s, another whose first token comes at 1.80 s, in
+    # the middle of one of the first one's gaps, and one sent at 2.5 s (the readings end there)
+    def req(start: float, n: int, sent: float):
+        return SimpleNamespace(ok=True, sent=sent, token_times=[start + 0.04 * k for k in range(n)], phase=None)
+
+    records = [req(1.0, 20, 0.8), req(1.82, 30, 1.77), req(1.02, 10, 0.8), req(1.42, 40, 1.41), req(2.6, 10, 2.5)]
+    colocated = {(a, b) for a, b, _, _ in _staggered_gaps(records, engine())}
+    disaggregated = {(a, b): n for a, b, _, n in _staggered_gaps(records, engine(), prompt_steps=False)}
+    # colocated leaves out the gaps holding another stream's first token (its prompt's step: the
+    # first stream's at 1.42 s, the second's at 1.82 s); disaggregated keeps them, each a decode
+    # step of the one stream decoding then (the new one joins after it)
+    extra = sorted(set(disaggregated) - colocated)
+    assert colocated < set(disaggregated)
+    assert extra == [pytest.approx((1.40, 1.44)), pytest.approx((1.78, 1.82))]
+    assert [disaggregated[g] for g in extra] == [1, 1]
+
+
 def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
     from pdserve.bench.profile import mixed_step_fit
 
