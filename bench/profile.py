@@ -420,8 +420,10 @@ def _staggered_group(streams: int, seed: int):
 
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
                    corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS,
-                   transfer: TransferProfile | None = None, kv_bytes_per_token: int = 0) -> ServingProfile:
-    """A running ``pdserve up`` of ``mode`` against the profiled engine steps:
+                   transfer: TransferProfile | None = None, kv_bytes_per_token: int = 0,
+                   arrival_fallback_s: float | None = None) -> ServingProfile:
+    """A running ``pdserve up`` of ``mode`` against the profiled engine steps
+    (``arrival_fallback_s``: the arrival cost to stand where too few arrivals are read here):
 
     * lone requests, one at a time: the engines' own prefill times in their phase records against
       the profiled prefill step (``prefill_x``), and what the client waits beyond them for a first
@@ -545,9 +547,13 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     arrival = None
     if staggered is not None:
         step_x, n_gaps, batch, arrival = statistics.median(clean), len(clean), staggered[1], staggered[2]
+        fallback = arrival is None and arrival_fallback_s is not None
+        if fallback:
+            arrival = arrival_fallback_s
         busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt or a send in their "
                     f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served"
-                    + (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it" if arrival is not None else ""))
+                    + (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it"
+                       + (" (too few read here: the last reading)" if fallback else "") if arrival is not None else ""))
     elif steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))

@@ -319,15 +319,16 @@ def run_bench(args: argparse.Namespace) -> dict:
                 if args.recalibrate == "off" or mode not in profile.serving:
                     return profile
                 seed = 50_000 + 10 * len(mode_calibrations)
+                # where too few requests are sent during the staggered streams' decode steps to
+                # read what one adds (a few streams), this server's last reading of it stands (the
+                # first-token overhead is read net of it)
+                last_arrival = next((c["after"]["arrival_s"] for c in reversed(mode_calibrations)
+                                     if c["after"].get("arrival_s") is not None), None)
                 served = measure_served(server, mode, model_dir, profile.engines, profile.roles, profile.corun,
                                         seed=seed, streams=streams, transfer=profile.transfer,
-                                        kv_bytes_per_token=profile.kv_bytes_per_token)
+                                        kv_bytes_per_token=profile.kv_bytes_per_token,
+                                        arrival_fallback_s=last_arrival)
                 served.start_s = profile.serving[mode].start_s
-                if served.arrival_s is None:
-                    # too few requests sent during the staggered streams' decode steps to read what
-                    # one adds (a few streams): this server's last reading of it stands
-                    served.arrival_s = next((c["after"]["arrival_s"] for c in reversed(mode_calibrations)
-                                             if c["after"].get("arrival_s") is not None), None)
                 mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served),
                                           "streams": streams})
                 print(f"{mode}: served again at {streams} streams: decode steps x{served.step_x:.2f}, prefill x"
