@@ -47,8 +47,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.engine import EngineDecode, engine_prefill
 from pdserve.capacity.profile import PROFILE_VERSION, EngineProfile, Profile, ServingProfile, TransferProfile
@@ -551,9 +551,10 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         if fallback:
             arrival = arrival_fallback_s
         busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt or a send in their "
-                    f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served"
-                    + (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it"
-                       + (" (too few read here: the last reading)" if fallback else "") if arrival is not None else ""))
+                    f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served")
+        if arrival is not None:
+            busy_how += (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it"
+                         + (" (too few read here: the last reading)" if fallback else ""))
     elif steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))

@@ -109,9 +109,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-seeds", type=int, default=8,
                    help="simulate each load this many times with its steps drawn around the profile's (their "
                         "served spread) and average the figures; 0: one run with every step at the profile's time")
-    p.add_argument("--repeats", type=int, default=2, help="real loads per mode and rate (the same arrivals), the figures "
-                   "averaged; with 2+, "
-                   "the real runs' own spread is reported beside the simulator's error")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="real loads per mode and rate (the same arrivals), their figures averaged; with 2+, "
+                        "the real runs' own spread is reported beside the simulator's error")
 
 
 def load_shape(mode: str, itl_target_s: float):
