@@ -459,6 +459,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sim_seeds < 0:
         print("bench simulate: error: --sim-seeds must be >= 0", flush=True)
         return 2
+    if args.repeats < 1:
+        print("bench simulate: error: --repeats must be >= 1", flush=True)
+        return 2
     if args.num_prompts < 2:
         print("bench simulate: error: --num-prompts must be >= 2", flush=True)
         return 2

@@ -771,6 +771,8 @@ def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> 
     add_args(parser)
     assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--sim-seeds", "-1"])) == 2
     assert "--sim-seeds must be >= 0" in capsys.readouterr().out
+    assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--repeats", "0"])) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().out
 
 
 def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> None:
