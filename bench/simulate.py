@@ -2,7 +2,7 @@
 
     pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 100] [--repeats 2]
 
-1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~2 minutes).
+1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~5 minutes on 2 cores).
 2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
    one prefill and one decode worker, ``disaggregation.mode: always``; the planner off, so the
    shape is the one simulated), a short warm-up, then at each rate ``--num-prompts`` streamed
