@@ -115,6 +115,7 @@ class DisaggBackend:
         self.ttft_refusals = 0        # requests refused for their predicted TTFT
         self.renewals = 0
         self._active: dict[str, tuple[str, str | None]] = {}  # attempt -> (decode, prefill) workers
+        self._lease_keepers: dict[str, asyncio.Task] = {}  # attempt -> its ledger lease renewer
         self._attempt_of: dict[str, str] = {}  # request id -> its current attempt
         self._aborted: set[str] = set()        # requests the caller aborted: never started or retried again
         self._live: set[str] = set()           # requests whose generate() is running
@@ -394,13 +395,7 @@ class DisaggBackend:
                 await self._start_decoding(attempt, d, prompt, params, req, acc)
                 decoding = True
                 d_view.decoding_requests += 1
-            renew_at = time.monotonic() + self.lease_s / 3
             while True:
-                if self.ledger is not None and time.monotonic() >= renew_at:
-                    # A long generation keeps its ledger lease: the reaper must never take the
-                    # blocks of a request that is still decoding.
-                    renew_at = time.monotonic() + self.lease_s / 3
-                    self._renew_later(attempt)
                 out = await queue.get()
                 if out is DEADLINE:
                     raise DeadlineExceededError("the request did not finish within its deadline")
@@ -531,14 +526,10 @@ class DisaggBackend:
         after the reservation was asked for), on this router's own clock: the ledger steps
         between the reservation and the prefill call, and slow renewal calls in a burst, use up
         none of the other two thirds."""
-        lease_renew_at = time.monotonic() + self.lease_s / 3
         due = reserving_at + self.renew_interval_s
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             due = time.monotonic() + self.renew_interval_s
-            if self.ledger is not None and time.monotonic() >= lease_renew_at:
-                lease_renew_at = time.monotonic() + self.lease_s / 3   # the reaper must not take it either
-                self._renew_later(attempt)
             try:
                 expires_at = await self._call(d, lambda a: a.renew.remote(attempt))
                 await self._call(p, lambda a: a.extend.remote(attempt, expires_at))
@@ -610,19 +601,47 @@ class DisaggBackend:
                     member.actor.abort.remote(attempt)
 
     # --------------------------------------------------------------- helpers
-    def _renew_later(self, attempt: str) -> None:
-        # Errors are the writer's (Redis away: resync renews every live attempt when it returns).
-        asyncio.get_running_loop().create_task(self.ledger.renew(attempt, self.lease_s))
+    async def _keep_ledger_lease(self, attempt: str) -> None:
+        """Renew the attempt's ledger lease every third of it for as long as the attempt lives.
+
+        On a timer, not on token flow: a live stream may go quiet for longer than the lease (its
+        prompt queued on the prefill worker, its decode preempted, a client that stops reading so
+        the stream waits at a ``yield``), and the reaper must never take the blocks of a request
+        that is still running. Only this router's death stops the renewals. Errors are the
+        writer's (Redis away: resync renews every live attempt when it returns)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            renewal = asyncio.ensure_future(self.ledger.renew(attempt, self.lease_s))
+            try:
+                await asyncio.shield(renewal)
+            except asyncio.CancelledError:
+                # A renewal already sent lands before the attempt's last ledger step, so it cannot
+                # extend a FAILED entry's short lease afterwards.
+                await asyncio.wait([renewal])
+                raise
+            except Exception:  # never the attempt's failure: the next renewal may succeed
+                logger.warning("request %s: ledger lease not renewed", attempt, exc_info=True)
+
+    async def _stop_keeping_lease(self, attempt: str) -> None:
+        keeper = self._lease_keepers.pop(attempt, None)
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.wait([keeper])
 
     async def _ledger_reserve(self, attempt: str, decode_worker_id: str, blocks: list[int]) -> None:
-        """Record the decode worker's reservation. A Redis outage must not fail the request: the
-        writer fails fast while Redis is down and replays the step when it is back."""
+        """Record the decode worker's reservation, and keep its lease from then on. A Redis outage
+        must not fail the request: the writer fails fast while Redis is down and replays the step
+        when it is back."""
         if self.ledger is not None:
             await self.ledger.reserve(attempt, decode_worker_id, blocks, self.lease_s)
+            if attempt not in self._lease_keepers:
+                self._lease_keepers[attempt] = asyncio.ensure_future(self._keep_ledger_lease(attempt))
 
     async def _ledger(self, to: LedgerState, attempt: str, *, prefill_worker_id: str | None = None,
                       error: str | None = None, lease_s: float | None = None) -> None:
         """Record the attempt's move to ``to`` (see ``_ledger_reserve`` for outages)."""
+        if to in (LedgerState.FREED, LedgerState.FAILED):
+            await self._stop_keeping_lease(attempt)
         if self.ledger is not None:
             await self.ledger.transition(attempt, to, prefill_worker_id=prefill_worker_id, error=error,
                                          lease_s=lease_s)
