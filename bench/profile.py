@@ -382,6 +382,20 @@ def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     return beside, apart, [r.phase["prefill_s"] for r in timed if r.sent >= first_end]
 
 
+def _staggered_first_token_overhead(records: list) -> tuple[float, int] | None:
+    """Disaggregated staggered streams sent after the first one ended (the first round's all
+    queue at once): what each waited for its first token beyond its phase record's queue and
+    prefill, which the simulator runs itself (median, how many). The rest is the KV handoff and
+    the router's and Ray's hops with the prefill worker as busy as a load keeps it."""
+    done = [r for r in records if r.ok and r.token_times and r.phase]
+    first_end = min((r.token_times[-1] for r in done), default=0.0)
+    later = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - r.phase["prefill_s"]
+             for r in done if r.sent >= first_end and (r.phase.get("prefill_s") or 0) > 0]
+    if not later:
+        return None
+    return statistics.median(later), len(later)
+
+
 def _staggered_gaps(records: list, dec_eng: EngineProfile,
                     prompt_steps: bool = True) -> list[tuple[float, float, float, int]]:
     """``_staggered_steps``' gaps one by one: (start, end, over the profiled step, batch).
@@ -608,6 +622,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         handoff_extra = statistics.median(exposed) - raw
         corun_how += (f"; KV handoff beside decoding streams {statistics.median(exposed) * 1e3:.1f} ms exposed "
                       f"against {raw * 1e3:.1f} ms raw ({handoff_extra * 1e3:+.1f} ms)")
+    stag_over = None   # (seconds, how many): the staggered streams' first-token overhead
     if saturated is not None and steady and prefill_x is not None:
         # one host, under a load's pattern: staggered streams' token gaps against the profiled
         # step at the batch then, while the prefill worker was idle (step_x, where there are
@@ -635,6 +650,11 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             if apart_x:
                 spread += [x / statistics.median(apart_x) for x in apart_x]
             itl_jitter = _jitter_quantiles(spread) or itl_jitter
+            # The first token beside a load's pattern: the probes, sent one at a time while the
+            # prefill worker was otherwise idle, read 57-65 ms beyond their prefill where the
+            # staggered streams and a 0.55-of-capacity load both read 83-88 (Intel host,
+            # 2026-12-05; simulated TTFT p50 19-29% early at 0.55 of capacity with the probes')
+            stag_over = _staggered_first_token_overhead(saturated.records)
             corun_how += (f"; {streams} staggered streams: {len(beside_x)} token gaps while the prefill worker "
                           f"computed x{statistics.median(beside_x):.2f} of the profiled step"
                           + (f", {len(apart_x)} while not x{statistics.median(apart_x):.2f}" if apart_x else "")
@@ -697,6 +717,12 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         beside_how = (f"; {len(probe_ttfts)} requests beside {streams - 1} decoding streams: TTFT median "
                       f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
                       f"first step there")
+    if stag_over is not None and stag_over[1] >= streams // 2 + 1:
+        probes_over = over_busy
+        over_busy = max(0.0, stag_over[0])
+        beside_how += (f"; {stag_over[1]} staggered streams' first tokens +{over_busy * 1e3:.0f} ms beyond their "
+                       "queue and prefill: the busy first-token overhead"
+                       + (f" (the single probes' +{probes_over * 1e3:.0f} ms)" if probes_over is not None else ""))
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
         step_x=step_x, prefill_x=prefill_x, mixed_prefill_x=mixed_prefill_x, mixed_extra_s=mixed_extra,

@@ -693,6 +693,27 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     assert later == [prefill] * len(later) and 0 < len(later) < len(records)   # not the first round
 
 
+def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_queue_and_prefill() -> None:
+    """The first round (all sent at once) is left out; each later stream's wait beyond its phase
+    record's queue and prefill is the overhead, whatever those two were."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _staggered_first_token_overhead
+
+    def rec(sent: float, queue: float, prefill: float, over: float, end: float) -> SimpleNamespace:
+        first = sent + queue + prefill + over
+        return SimpleNamespace(ok=True, sent=sent, token_times=[first, end],
+                               phase={"queue_s": queue, "prefill_s": prefill})
+
+    first_round = [rec(0.0, 0.1 * i, 0.07, 0.5, 2.0 + i) for i in range(3)]   # queued together, slow
+    later = [rec(2.0 + i, q, p, o, 9.0) for i, (q, p, o) in
+             enumerate([(0.0, 0.07, 0.08), (0.03, 0.08, 0.09), (0.01, 0.06, 0.085)])]
+    failed = SimpleNamespace(ok=False, sent=2.5, token_times=[], phase=None)
+    over, n = _staggered_first_token_overhead(first_round + later + [failed])
+    assert n == 3 and over == pytest.approx(0.085)
+    assert _staggered_first_token_overhead([failed]) is None
+
+
 def test_the_jitter_quantiles_are_read_over_their_median() -> None:
     from pdserve.bench.profile import JITTER_QUANTILES, _jitter_quantiles
 
