@@ -26,7 +26,10 @@ async def main(model_dir: str, namespace: str) -> None:
 
     store = RedisBatchStore(connect(os.environ["BATCH_REDIS_URL"], password=os.environ["BATCH_REDIS_PASSWORD"]),
                             namespace=namespace)
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, num_blocks=512, max_num_seqs=32, warm_up=False))
+    # float32: the test compares its tokens with an engine that batched them otherwise, and bf16
+    # (dtype auto on an AMX or AVX512-BF16 host) rounds a row differently in another batch
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, num_blocks=512, max_num_seqs=32, warm_up=False,
+                                    dtype="float32"))
     serving = Serving(LocalEngineBackend(engine, model_name="tiny"), tokenizer=load_tokenizer(model_dir))
     server = await start_http_server(serving, batches=store)
     print(server.base_url, flush=True)

@@ -310,7 +310,9 @@ def test_a_killed_router_process_mid_batch_answers_every_item_once(stack: Stack,
         second.wait(30)
     assert set(out) == {x["custom_id"] for x in lines}
     tok = load_tokenizer(tiny_model)
-    alone = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_num_seqs=32, warm_up=False))
+    # float32 on both sides (batch_router_proc.py): in bf16 a row's tokens depend on its batch
+    alone = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_num_seqs=32, warm_up=False,
+                                   dtype="float32"))
     expected = alone.generate([list(tok(p)["input_ids"]) for p in prompts],
                               SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True))
     for i, want in enumerate(expected):
