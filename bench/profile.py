@@ -373,24 +373,29 @@ def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     the first stream ended (the first round's all queue at once). Returns (beside, apart, those
     prefill times)."""
     done = [r for r in records if r.ok]
-    first_end = min((r.token_times[-1] for r in done), default=0.0)
     timed = [r for r in done if r.phase and (r.phase.get("prefill_s") or 0) > 0]
     spans = [(r.token_times[0] - r.phase["prefill_s"], r.token_times[0]) for r in timed]
     beside, apart = [], []
     for a, b, x, _ in _staggered_gaps(done, dec_eng, prompt_steps=False):
         (beside if any(lo < b and hi > a for lo, hi in spans) else apart).append(x)
-    return beside, apart, [r.phase["prefill_s"] for r in timed if r.sent >= first_end]
+    return beside, apart, [r.phase["prefill_s"] for r in _timed_after_first_round(records)]
+
+
+def _timed_after_first_round(records: list) -> list:
+    """Staggered streams with a prefill in their phase record, sent after the first stream ended
+    (the first round's were all sent at once and queue behind each other)."""
+    done = [r for r in records if r.ok and r.token_times]
+    first_end = min((r.token_times[-1] for r in done), default=0.0)
+    return [r for r in done if r.sent >= first_end and r.phase and (r.phase.get("prefill_s") or 0) > 0]
 
 
 def _staggered_first_token_overhead(records: list) -> tuple[float, int] | None:
-    """Disaggregated staggered streams sent after the first one ended (the first round's all
-    queue at once): what each waited for its first token beyond its phase record's queue and
-    prefill, which the simulator runs itself (median, how many). The rest is the KV handoff and
-    the router's and Ray's hops with the prefill worker as busy as a load keeps it."""
-    done = [r for r in records if r.ok and r.token_times and r.phase]
-    first_end = min((r.token_times[-1] for r in done), default=0.0)
+    """Disaggregated staggered streams after the first round: what each waited for its first
+    token beyond its phase record's queue and prefill, which the simulator runs itself (median,
+    how many). The rest is the KV handoff and the router's and Ray's hops with the prefill worker
+    as busy as a load keeps it."""
     later = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - r.phase["prefill_s"]
-             for r in done if r.sent >= first_end and (r.phase.get("prefill_s") or 0) > 0]
+             for r in _timed_after_first_round(records)]
     if not later:
         return None
     return statistics.median(later), len(later)

@@ -31,8 +31,8 @@ from cluster_helpers import (
     wait_until,
 )
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.router.backend import Finished, GenerateRequest
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.backend import Finished, GenerateRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
