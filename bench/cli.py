@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.bench.engine", "engine decode/prefill against rooflines and transformers"),
     "linear": ("pdserve.bench.linear", "the engine's matmul backends side by side on the real model"),
+    "shapes": ("pdserve.bench.shapes", "engine steps of a load's varied row counts: exact against row buckets"),
     "transfer": ("pdserve.bench.transfer", "KV block transfer bandwidth and latency"),
     "router": ("pdserve.bench.router", "router latency and serving load"),
     "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),

@@ -126,13 +126,19 @@ class DecoderLayer:
         self.head_dim = spec.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                index: int) -> torch.Tensor:
-        """``x`` is the residual stream ``[T, hidden]``; ``plan.attend`` writes this layer's K/V
-        into the paged cache and attends. Returns the new residual stream."""
+                index: int, rows: int | None = None) -> torch.Tensor:
+        """``x`` is the residual stream ``[M, hidden]``; ``plan.attend`` writes this layer's K/V
+        into the paged cache and attends. Returns the new residual stream. ``rows``: the step's
+        real tokens, the first ``rows`` of ``x`` (``M - rows`` padding rows go through the matmuls
+        and norms only, ``engine/row_buckets.py``); None: all of them."""
         mm = self.mm
+        t = x.shape[0] if rows is None else rows
         h = rms_norm(x, self.input_norm, self.eps)
         qkv = mm.qkv(h)
-        qk = qkv[:, : self.qk_heads * self.head_dim].view(qkv.shape[0], self.qk_heads, self.head_dim)
+        qk = qkv[:t, : self.qk_heads * self.head_dim].view(t, self.qk_heads, self.head_dim)
         apply_rope_(qk, cos, sin)
-        x = mm.o_add(plan.attend(index, qkv), x)
+        a = plan.attend(index, qkv if t == x.shape[0] else qkv[:t])
+        if t != x.shape[0]:
+            a = F.pad(a, (0, 0, 0, x.shape[0] - t))
+        x = mm.o_add(a, x)
         return mm.mlp_add(rms_norm(x, self.post_norm, self.eps), x)

@@ -23,6 +23,7 @@ from pdserve.engine.dtype_probe import resolve_dtype
 from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
 from pdserve.engine.linear import LmHead, gemv_available, mkl_packed_available, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
+from pdserve.engine.row_buckets import buckets_up_to, row_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,10 @@ class ModelRunner:
         self.layers = [DecoderLayer(self.weights.layers.pop(0), spec, self.kernels.backends)
                        for _ in range(spec.num_layers)]
         self.lm_head = LmHead(self.weights.lm_head, self.kernels.backends["lm_head"])
+        # oneDNN builds a kernel per matmul shape (bf16, and float32 "packed"): run each step's
+        # matmuls at a few fixed row counts (engine/row_buckets.py)
+        self.bucket_rows = self.device.type == "cpu" and (
+            self.dtype != torch.float32 or "packed" in self.kernels.backends.values())
         self.rope = RotaryTables(spec, spec.max_position_embeddings, self.dtype, device)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons attention)
         self.kv_cache = torch.zeros(num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads,
@@ -169,10 +174,15 @@ class ModelRunner:
             raise ValueError(f"token ids must lie in [0, {self.spec.vocab_size}), "
                              f"got {int(ids.min())}..{int(ids.max())}")
         x = F.embedding(ids.to(self.device), self.weights.embed)
+        t = x.shape[0]
+        padded = row_bucket(t) if self.bucket_rows else t
+        if padded != t:
+            x = F.pad(x, (0, 0, 0, padded - t))
         for i, layer in enumerate(self.layers):
             if stop is not None and stop():
                 raise StepInterrupted()
-            x = layer.forward(x, cos, sin, plan, i)
+            x = layer.forward(x, cos, sin, plan, i, t)
+        x = x[:t]
         for i, it in enumerate(items):
             if it.score_targets:
                 first = last_row[i] - len(it.token_ids) + 1 + it.score_from
@@ -183,7 +193,15 @@ class ModelRunner:
         if rows != list(range(x.shape[0])):
             x = x[torch.tensor(rows, device=self.device)]
         x = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
-        return self.lm_head(x).float(), scores
+        return self._head(x).float(), scores
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of ``x``'s rows, run at their bucket's row count when bucketed."""
+        n = x.shape[0]
+        padded = row_bucket(n) if self.bucket_rows else n
+        if padded == n:
+            return self.lm_head(x)
+        return self.lm_head(F.pad(x, (0, 0, 0, padded - n)))[:n]
 
     _SCORE_ROWS = 128  # rows of [rows, vocab] float32 logits held at once while scoring a prompt
 
@@ -192,7 +210,7 @@ class ModelRunner:
         ranks: list[int] = []
         for lo in range(0, len(targets), self._SCORE_ROWS):
             h = rms_norm(hidden[lo:lo + self._SCORE_ROWS], self.weights.norm, self.spec.rms_norm_eps)
-            lp = torch.log_softmax(self.lm_head(h).float(), dim=-1).cpu()
+            lp = torch.log_softmax(self._head(h).float(), dim=-1).cpu()
             tgt = torch.tensor(targets[lo:lo + self._SCORE_ROWS], dtype=torch.int64)
             picked = lp.gather(1, tgt[:, None])[:, 0]
             ranks += ((lp > picked[:, None]).sum(dim=1) + 1).tolist()
@@ -229,10 +247,30 @@ class ModelRunner:
                       for i in range(max_seqs)])
         used = sorted({b for table in tables for b in table})
         self.kv_cache[torch.tensor(used)] = 0
+        built = self._build_row_buckets(max_batched_tokens, max_seqs) if self.bucket_rows else 0
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up: a %d-token prefill step and a %d-sequence decode step in %.2f s",
-                    max_batched_tokens, max_seqs, elapsed)
+        logger.info("warm-up: a %d-token prefill step and a %d-sequence decode step%s in %.2f s",
+                    max_batched_tokens, max_seqs,
+                    f", the matmuls at {built} row counts" if built else "", elapsed)
         return elapsed
+
+    @torch.inference_mode()
+    def _build_row_buckets(self, max_batched_tokens: int, max_seqs: int) -> int:
+        """One layer's matmuls at every row count a step of up to ``max_batched_tokens`` tokens runs
+        them at, and the output projection at every count up to ``max_seqs`` rows: oneDNN builds
+        (and keeps) a kernel per shape, and the layers share shapes, so one layer builds them all.
+        Returns how many row counts."""
+        mm, hidden = self.layers[0].mm, self.spec.hidden_size
+        attn = self.spec.num_heads * self.spec.head_dim
+        counts = buckets_up_to(max(max_batched_tokens, max_seqs))
+        for m in counts:
+            h = torch.zeros(m, hidden, dtype=self.dtype, device=self.device)
+            mm.qkv(h)
+            mm.o_add(torch.zeros(m, attn, dtype=self.dtype, device=self.device), h)
+            mm.mlp_add(h, h)
+        for m in buckets_up_to(max_seqs):
+            self.lm_head(torch.zeros(m, hidden, dtype=self.dtype, device=self.device))
+        return len(counts)
 
     def _check_and_order(self, items: list[ForwardItem]) -> tuple[list[int], int]:
         """Validate items; return their indices, one-token (decode) items first, and the end

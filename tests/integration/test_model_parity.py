@@ -146,6 +146,26 @@ def test_fp32_llama_other_kernels_match_transformers(linear, attention):
 
 
 @pytest.mark.slow
+def test_fp32_logits_with_bucketed_rows_match_transformers(monkeypatch):
+    """Steps whose matmuls run at a padded row count (engine/row_buckets.py: on for bf16 and for
+    oneDNN's packed float32, forced here on dense float32) stay exact: the padding rows go through
+    the matmuls and norms only, never RoPE, attention or the sampled rows."""
+    import pdserve.engine.model_runner as model_runner
+
+    model_dir = ensure_model("tiny")
+    hf = _hf(model_dir)
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=64, num_threads=1,
+                         linear_backend="dense")
+    assert not runner.bucket_rows        # float32 through MKL builds nothing per shape
+    runner.bucket_rows = True
+    seen: list[tuple[int, int]] = []
+    bucket = model_runner.row_bucket
+    monkeypatch.setattr(model_runner, "row_bucket", lambda n: seen.append((n, bucket(n))) or bucket(n))
+    assert_scenario_exact(runner, hf, "dense, bucketed rows")
+    assert any(b > n for n, b in seen), f"no step was padded: {seen}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fresh", ["native", "sdpa"])
 def test_fp32_fresh_prefill_chunks_either_way_match_transformers(fresh):
     """Fresh prefill chunks (nothing cached before them) take whichever of the C++ kernel and SDPA
