@@ -46,3 +46,26 @@ def test_bench_linear_runs_the_backends_side_by_side(tmp_path, capsys) -> None:
     for bad in (dict(backends="dense"), dict(backends="dense,fast"), dict(batches="0"), dict(model="huge"),
                 dict(prompts="x")):
         assert bench_linear.run(args(**bad)) == 2
+
+
+def test_bench_shapes_runs_both_arms_in_their_own_processes(tmp_path, capsys) -> None:
+    """``pdserve bench shapes`` end to end on the tiny model in bf16: each arm in a fresh process,
+    the bucketed one with its buckets' kernels built, a ratio per pass; bad arguments refused."""
+    import argparse
+    import json
+
+    from pdserve.bench import shapes as bench_shapes
+
+    def args(**kw) -> argparse.Namespace:
+        base = dict(model=None, preset="tiny", dtype="bfloat16", threads=1, steps=8, max_seqs=8, pairs=1,
+                    seed=0, json=str(tmp_path / "shapes.json"), arm=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert bench_shapes.run(args()) == 0
+    (pair,) = json.loads((tmp_path / "shapes.json").read_text())["pairs"]
+    assert pair["bucketed"]["bucket_rows"] and not pair["exact"]["bucket_rows"]
+    assert pair["bucketed"]["build_s"] > 0 and pair["exact"]["build_s"] == 0
+    assert pair["first_pass_x"] > 0 and pair["second_pass_x"] > 0
+    assert "exact / bucketed" in capsys.readouterr().out
+    for bad in (dict(steps=0), dict(pairs=0), dict(max_seqs=0)):
+        assert bench_shapes.run(args(**bad)) == 2
