@@ -174,8 +174,10 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
     def avg(x: float | None, y: float | None) -> float | None:
         return y if x is None else x if y is None else (x + y) / 2
 
-    jitter = a.itl_jitter if b.itl_jitter is None else b.itl_jitter if a.itl_jitter is None else \
-        [(x + y) / 2 for x, y in zip(a.itl_jitter, b.itl_jitter)]
+    def avg_list(x: list[float] | None, y: list[float] | None) -> list[float] | None:
+        return y if x is None else x if y is None or len(x) != len(y) else [(u + v) / 2 for u, v in zip(x, y)]
+
+    jitter = avg_list(a.itl_jitter, b.itl_jitter)
     fields = {k: avg(getattr(a, k), getattr(b, k))
               for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
                         "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "arrival_s",
@@ -186,7 +188,8 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
         fitted = a if a.mixed_prefill_x is not None else b
         fields["mixed_extra_s"] = fitted.mixed_extra_s
     fields["mixed_prefill_x"] = avg(a.mixed_prefill_x, b.mixed_prefill_x)
-    return ServingProfile(**fields, itl_jitter=jitter, how=f"the mean of two calibrations: {a.how} | {b.how}")
+    return ServingProfile(**fields, itl_jitter=jitter, ttft_jitter=avg_list(a.ttft_jitter, b.ttft_jitter),
+                          how=f"the mean of two calibrations: {a.how} | {b.how}")
 
 
 def seen_batch(starts: np.ndarray, ends: np.ndarray) -> float:

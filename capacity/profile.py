@@ -150,6 +150,10 @@ class ServingProfile:
     # quantiles: the host's and the serving path's jitter, which the simulator's steps lack and
     # which decides an ITL p99; None: not measured (gaps as simulated)
     itl_jitter: list[float] | None = None
+    # disaggregated: the busy first-token overhead (ttft_overhead_busy_s) of staggered streams, each
+    # over their median, as equal-weight quantiles: the KV handoff's and the router's and Ray's hops
+    # vary by request, which decides a TTFT p99 beside the queue; None: not measured (a constant)
+    ttft_jitter: list[float] | None = None
     # what a request's arrival adds to the step its first worker (colocated or prefill) is running:
     # the HTTP request, its tokenization, the stream it opens and the one that ends, on the same
     # cores. The simulator lengthens that step by it; None: 0. `measure_served` reads it for
@@ -159,6 +163,8 @@ class ServingProfile:
     how: str = ""
 
     def __post_init__(self) -> None:
+        if self.ttft_jitter is not None and not (self.ttft_jitter and all(x > 0 for x in self.ttft_jitter)):
+            raise ProfileError(f"serving: ttft_jitter must be a non-empty list of ratios > 0, got {self.ttft_jitter}")
         if self.arrival_s is not None and not self.arrival_s >= 0:
             raise ProfileError(f"serving: arrival_s (what an arrival adds to a step) must be >= 0 seconds, "
                                f"got {self.arrival_s}")

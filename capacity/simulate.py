@@ -273,6 +273,9 @@ class Simulator:
                                else served.ttft_overhead_s)
         self.itl_over = served.itl_overhead_s
         self.itl_jitter = np.array(served.itl_jitter, dtype=float) if served.itl_jitter else None
+        # the busy first-token overhead's spread by request (quantiles over its median), drawn
+        # with the steps (``noise_seed``); a constant in one deterministic history
+        self.ttft_jitter = np.array(served.ttft_jitter, dtype=float) if served.ttft_jitter else None
         # a request's arrival lengthens the step its first worker is running (colocated, measured)
         self.arrival_s = float(served.arrival_s or 0.0)
         # engine steps as served (the profile's served measurement under load; 1 without one)
@@ -373,6 +376,12 @@ class Simulator:
         arrival_s = self.arrival_s
         noise = _StepNoise(self.itl_jitter, noise_seed) if noise_seed is not None and self.itl_jitter is not None \
             else None
+        # each request's busy first-token overhead drawn from the served ones: the figure (their
+        # median) times one of their quantiles over it; None: the figure for every request
+        over_draw = None
+        if noise_seed is not None and self.ttft_jitter is not None:
+            pick = np.random.default_rng([noise_seed, 1]).integers(0, len(self.ttft_jitter), n)
+            over_draw = (ttft_over_busy * self.ttft_jitter[pick]).tolist()
         prefill_x, decode_x = self.prefill_x, self.decode_x
         paired = shape.shared_host and (prefill_x != 1.0 or decode_x != 1.0)
         out_tokens = 0
@@ -560,7 +569,8 @@ class Simulator:
                             w.pq.remove(item)
                         # served overheads: the busy figure while r's decode worker has streams running
                         home = dw[dworker[r]] if w.role == "prefill" else w
-                        ttft[r] = t - arr[r] + (ttft_over_busy if home.b else ttft_over)
+                        ttft[r] = t - arr[r] + ((ttft_over_busy if over_draw is None else over_draw[r])
+                                                if home.b else ttft_over)
                         first_t[r] = t
                         if ol[r] <= 1:
                             e2e[r] = ttft[r]

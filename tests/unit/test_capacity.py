@@ -521,6 +521,10 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
     assert m.ttft_overhead_s == pytest.approx(0.02) and m.step_x == pytest.approx(1.1)
     assert m.prefill_x == 0.8 and m.mixed_extra_s == 0.01            # one side's figure where the other lacks it
     assert m.itl_jitter == [2.0, 3.0] and m.corun_decode_x is None
+    assert m.ttft_jitter is None
+    assert mean_served(ServingProfile(ttft_jitter=[0.5, 1.5]), ServingProfile(ttft_jitter=[0.7, 2.5])).ttft_jitter \
+        == pytest.approx([0.6, 2.0])
+    assert mean_served(ServingProfile(ttft_jitter=[0.5, 1.5]), ServingProfile()).ttft_jitter == [0.5, 1.5]
     assert "a" in m.how and "b" in m.how
     # a prompt step's factor and fixed part go together: one side's line, or both lines averaged
     fitted = ServingProfile(mixed_prefill_x=1.0, mixed_extra_s=0.002)
@@ -709,9 +713,38 @@ def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_qu
     later = [rec(2.0 + i, q, p, o, 9.0) for i, (q, p, o) in
              enumerate([(0.0, 0.07, 0.08), (0.03, 0.08, 0.09), (0.01, 0.06, 0.085)])]
     failed = SimpleNamespace(ok=False, sent=2.5, token_times=[], phase=None)
-    over, n = _staggered_first_token_overhead(first_round + later + [failed])
+    over, n, spread = _staggered_first_token_overhead(first_round + later + [failed])
     assert n == 3 and over == pytest.approx(0.085)
+    assert spread is None                                  # too few to read a spread from
     assert _staggered_first_token_overhead([failed]) is None
+    # enough of them: their quantiles over the median (one in four twice the median)
+    many = [rec(2.0 + i, 0.0, 0.07, 0.2 if i % 4 == 3 else 0.1, 9.0) for i in range(40)]
+    over, n, spread = _staggered_first_token_overhead(first_round + many)
+    assert (n, over) == (40, pytest.approx(0.1))
+    assert spread == pytest.approx([1.0] * 6 + [2.0] * 2)
+
+
+def test_the_first_token_overhead_is_drawn_per_request_from_its_spread_in_drawn_histories() -> None:
+    """A constant overhead left the simulated TTFT p99 19-20% early where the real overheads of
+    a load spread from half to twice their median: drawn histories take each request's overhead
+    from the measured spread; one deterministic history keeps the figure."""
+    spread = [0.5] * 4 + [1.0] * 8 + [2.0] * 4
+    plain = profile(serving={"disaggregated": ServingProfile(ttft_overhead_busy_s=0.05)})
+    spread_out = profile(serving={"disaggregated": ServingProfile(ttft_overhead_busy_s=0.05, ttft_jitter=spread)})
+    arrivals = np.cumsum(np.random.default_rng(4).exponential(0.5, 150))
+    p, o = np.full(150, 128), np.full(150, 40)
+    shape = ClusterShape("disaggregated", 1, 1, itl_target_s=None)
+    go = lambda prof, seed: simulate(prof, shape, arrivals, p, np.zeros_like(p), o, noise_seed=seed)  # noqa: E731
+    assert np.array_equal(go(plain, None).ttft_s, go(spread_out, None).ttft_s)    # one history: the figure
+    a, b = go(plain, 1), go(spread_out, 1)
+    diff = np.round(b.ttft_s - a.ttft_s, 9)      # no step spread here: only the overheads differ
+    busy = diff != 0
+    assert busy.sum() > 50                       # half the draws are 1.0: no change
+    assert set(np.round(diff[busy], 9)) <= {round(0.05 * (x - 1.0), 9) for x in spread}
+    assert np.percentile(b.ttft_s, 95) > np.percentile(a.ttft_s, 95) + 0.03   # a heavier tail
+    assert np.array_equal(go(spread_out, 1).ttft_s, b.ttft_s)                       # reproducible per seed
+    with pytest.raises(ProfileError, match="ttft_jitter"):
+        ServingProfile(ttft_jitter=[1.0, 0.0])
 
 
 def test_the_jitter_quantiles_are_read_over_their_median() -> None:
