@@ -697,6 +697,32 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     assert later == [prefill] * len(later) and 0 < len(later) < len(records)   # not the first round
 
 
+def test_a_long_disaggregated_gap_is_kept_as_the_token_gap_tail() -> None:
+    """Colocated, a gap longer than a decode step by half a prefill is the step that computed a
+    prompt, which the simulator runs itself: left out. Disaggregated the decode worker runs no
+    prompts: such a gap is a late delivery or a stalled step, the tail the jitter must carry."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _staggered_gaps
+
+    eng = engine(1, decode=(0.02, 0.03, 0.06))         # its 128-token prefill 0.1 s: half is 0.05
+    def ticks(start: float, end: float, hiccup: float) -> list[float]:
+        out, t = [], start
+        while t < end:
+            out.append(round(t, 6))
+            t += 0.12 if abs(t - hiccup) < 0.015 else 0.03
+        return out
+    early = SimpleNamespace(ok=True, sent=0.0, token_times=ticks(0.1, 1.0, -1.0))
+    streams = [SimpleNamespace(ok=True, sent=0.0, token_times=ticks(0.1, 5.0, 2.0)) for _ in range(3)]
+    late = SimpleNamespace(ok=True, sent=4.9, token_times=[4.95, 4.98, 5.01])
+    records = [early, *streams, late]
+    kept = _staggered_gaps(records, eng, prompt_steps=False)
+    left = _staggered_gaps(records, eng, prompt_steps=True)
+    long_kept = [g for g in kept if g[1] - g[0] > 0.1]
+    assert len(long_kept) == 3 and not [g for g in left if g[1] - g[0] > 0.1]
+    assert len(kept) == len(left) + 3
+
+
 def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_queue_and_prefill() -> None:
     """The first round (all sent at once) is left out; each later stream's wait beyond its phase
     record's queue and prefill is the overhead, whatever those two were."""
