@@ -233,6 +233,7 @@ BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 MIXED_LONG_PROMPT, MIXED_PROBES, MIXED_BACKGROUND_OUT = 384, 12, 320
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
 TTFT_QUANTILES = 8      # of the staggered streams' first-token overheads (ServingProfile.ttft_jitter)
+MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -364,13 +365,9 @@ def _jitter_quantiles(values: list[float], quantiles: int = JITTER_QUANTILES) ->
     mid = statistics.median(values)
     if mid <= 0:
         return None
-    ratios = sorted(max(v, 0.0) / mid for v in values)
-    if ratios[-1] <= 0:
-        return None
-    # a ratio of 0 (an overhead that read at or below zero) stays a small positive one
-    floor = min((x for x in ratios if x > 0), default=1.0) / 2
-    return [max(floor, ratios[min(len(ratios) - 1, int((k + 0.5) / quantiles * len(ratios)))])
-            for k in range(quantiles)]
+    # an overhead that read at or below zero stays a small positive ratio
+    ratios = sorted(max(v / mid, MIN_RATIO) for v in values)
+    return [ratios[min(len(ratios) - 1, int((k + 0.5) / quantiles * len(ratios)))] for k in range(quantiles)]
 
 
 def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[float]]:

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import random
 import statistics
 import subprocess
 import sys
 import time
-
-logger = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

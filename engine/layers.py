@@ -137,8 +137,6 @@ class DecoderLayer:
         qkv = mm.qkv(h)
         qk = qkv[:t, : self.qk_heads * self.head_dim].view(t, self.qk_heads, self.head_dim)
         apply_rope_(qk, cos, sin)
-        a = plan.attend(index, qkv if t == x.shape[0] else qkv[:t])
-        if t != x.shape[0]:
-            a = F.pad(a, (0, 0, 0, x.shape[0] - t))
-        x = mm.o_add(a, x)
+        a = plan.attend(index, qkv[:t])
+        x = mm.o_add(a if t == x.shape[0] else F.pad(a, (0, 0, 0, x.shape[0] - t)), x)
         return mm.mlp_add(rms_norm(x, self.post_norm, self.eps), x)

@@ -175,9 +175,7 @@ class ModelRunner:
                              f"got {int(ids.min())}..{int(ids.max())}")
         x = F.embedding(ids.to(self.device), self.weights.embed)
         t = x.shape[0]
-        padded = row_bucket(t) if self.bucket_rows else t
-        if padded != t:
-            x = F.pad(x, (0, 0, 0, padded - t))
+        x = self._to_bucket(x)
         for i, layer in enumerate(self.layers):
             if stop is not None and stop():
                 raise StepInterrupted()
@@ -195,13 +193,15 @@ class ModelRunner:
         x = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
         return self._head(x).float(), scores
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The output projection of ``x``'s rows, run at their bucket's row count when bucketed."""
+    def _to_bucket(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with zero rows added up to its row bucket when the matmuls are bucketed."""
         n = x.shape[0]
         padded = row_bucket(n) if self.bucket_rows else n
-        if padded == n:
-            return self.lm_head(x)
-        return self.lm_head(F.pad(x, (0, 0, 0, padded - n)))[:n]
+        return x if padded == n else F.pad(x, (0, 0, 0, padded - n))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of ``x``'s rows, run at their bucket's row count when bucketed."""
+        return self.lm_head(self._to_bucket(x))[: x.shape[0]]
 
     _SCORE_ROWS = 128  # rows of [rows, vocab] float32 logits held at once while scoring a prompt
 
