@@ -48,7 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve.bench.engine import EngineDecode, engine_prefill
 from pdserve.capacity.profile import PROFILE_VERSION, EngineProfile, Profile, ServingProfile, TransferProfile
@@ -233,6 +233,7 @@ BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 MIXED_LONG_PROMPT, MIXED_PROBES, MIXED_BACKGROUND_OUT = 384, 12, 320
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
 TTFT_QUANTILES = 8      # of the staggered streams' first-token overheads (ServingProfile.ttft_jitter)
+QUEUED_S = 0.005        # a phase record's queue beyond this: the prompt waited at its first worker
 MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
 
 
@@ -393,17 +394,38 @@ def _timed_after_first_round(records: list) -> list:
     return [r for r in done if r.sent >= first_end and r.phase and (r.phase.get("prefill_s") or 0) > 0]
 
 
-def _staggered_first_token_overhead(records: list) -> tuple[float, int, list[float] | None] | None:
+class FirstTokenOverhead(NamedTuple):
+    """The staggered streams' first tokens beyond their queue and prefill (``measure_served``)."""
+
+    median_s: float              # of those that did not wait at the prefill worker (all, without a split)
+    count: int                   # how many were read, both kinds
+    jitter: list[float] | None   # TTFT_QUANTILES quantiles, each over its kind's median; None: too few
+    queued_s: float | None       # of those that waited (queue_s > QUEUED_S); None: too few of either kind
+    queued: int                  # how many waited
+
+
+def _staggered_first_token_overhead(records: list) -> FirstTokenOverhead | None:
     """Disaggregated staggered streams after the first round: what each waited for its first
-    token beyond its phase record's queue and prefill, which the simulator runs itself (median,
-    how many, and their spread: ``TTFT_QUANTILES`` quantiles over the median, None with too few).
+    token beyond its phase record's queue and prefill, which the simulator runs itself, split by
+    whether it waited at the prefill worker, where both kinds number ``TTFT_QUANTILES`` or more.
     The rest is the KV handoff and the router's and Ray's hops with the prefill worker as busy as
-    a load keeps it."""
-    later = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - r.phase["prefill_s"]
-             for r in _timed_after_first_round(records)]
-    if not later:
+    a load keeps it: a prompt that waited there sends its first token while the next one's
+    prefill holds the cores (+44-60 ms at 23 and 45 streams, in the staggered streams and in
+    0.55 and 0.8 of capacity loads alike, Intel host, 2026-12-05)."""
+    timed = _timed_after_first_round(records)
+    if not timed:
         return None
-    return statistics.median(later), len(later), _jitter_quantiles(later, TTFT_QUANTILES)
+    over = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - r.phase["prefill_s"] for r in timed]
+    waited = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) > QUEUED_S]
+    direct = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) <= QUEUED_S]
+    if min(len(waited), len(direct)) < TTFT_QUANTILES:
+        return FirstTokenOverhead(statistics.median(over), len(over), _jitter_quantiles(over, TTFT_QUANTILES),
+                                  None, len(waited))
+    mid_w, mid_d = statistics.median(waited), statistics.median(direct)
+    ratios = None
+    if mid_w > 0 and mid_d > 0:
+        ratios = _jitter_quantiles([o / mid_w for o in waited] + [o / mid_d for o in direct], TTFT_QUANTILES)
+    return FirstTokenOverhead(mid_d, len(over), ratios, mid_w, len(waited))
 
 
 def _staggered_gaps(records: list, dec_eng: EngineProfile,
@@ -637,7 +659,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         handoff_extra = statistics.median(exposed) - raw
         corun_how += (f"; KV handoff beside decoding streams {statistics.median(exposed) * 1e3:.1f} ms exposed "
                       f"against {raw * 1e3:.1f} ms raw ({handoff_extra * 1e3:+.1f} ms)")
-    stag_over = None   # (seconds, how many): the staggered streams' first-token overhead
+    stag_over = None   # the staggered streams' first-token overhead (FirstTokenOverhead)
     if saturated is not None and steady and prefill_x is not None:
         # one host, under a load's pattern: staggered streams' token gaps against the profiled
         # step at the batch then, while the prefill worker was idle (step_x, where there are
@@ -732,19 +754,30 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         beside_how = (f"; {len(probe_ttfts)} requests beside {streams - 1} decoding streams: TTFT median "
                       f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
                       f"first step there")
-    ttft_jitter = None
-    if stag_over is not None and stag_over[1] >= streams // 2 + 1:
+    ttft_jitter = over_queued = None
+    if stag_over is not None and stag_over.count >= streams // 2 + 1:
         probes_over = over_busy
-        over_busy = max(0.0, stag_over[0])
+        over_busy = max(0.0, stag_over.median_s)
         # how it varies by request: a load's TTFT p99 is its queue's tail plus this one's
         # (disaggregated TTFT p99 simulated 19-20% early at 0.55-0.8 of capacity with a constant,
-        # p50 within 3%; a 0.8 load's overheads read p10 51, p50 105, p99 213 ms; 2026-12-05)
-        ttft_jitter = stag_over[2]
-        beside_how += (f"; {stag_over[1]} staggered streams' first tokens +{over_busy * 1e3:.0f} ms beyond their "
-                       "queue and prefill: the busy first-token overhead"
-                       + (f" (the single probes' +{probes_over * 1e3:.0f} ms)" if probes_over is not None else ""))
+        # p50 within 3%; a 0.8 load's overheads read p10 51, p50 105, p99 213 ms; 2026-12-05), and
+        # whether it waited at the prefill worker: drawn around one figure for both, a 0.55 load's
+        # simulated TTFT p50 read 16% late, the unqueued half's first tokens spread above its floor
+        ttft_jitter = stag_over.jitter
+        if stag_over.queued_s is not None:
+            over_queued = max(0.0, stag_over.queued_s)
+            beside_how += (f"; {stag_over.count} staggered streams' first tokens beyond their queue and prefill: "
+                           f"+{over_busy * 1e3:.0f} ms the {stag_over.count - stag_over.queued} that did not wait "
+                           f"at the prefill worker, +{over_queued * 1e3:.0f} ms the {stag_over.queued} that did: "
+                           "the busy first-token overheads")
+        else:
+            beside_how += (f"; {stag_over.count} staggered streams' first tokens +{over_busy * 1e3:.0f} ms beyond "
+                           "their queue and prefill: the busy first-token overhead")
+        if probes_over is not None:
+            beside_how += f" (the single probes' +{probes_over * 1e3:.0f} ms)"
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
+        ttft_overhead_queued_s=over_queued,
         step_x=step_x, prefill_x=prefill_x, mixed_prefill_x=mixed_prefill_x, mixed_extra_s=mixed_extra,
         handoff_extra_s=handoff_extra, arrival_s=arrival,
         corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
@@ -869,7 +902,9 @@ def format_profile(p: Profile) -> str:
         lines.append(f"one host, two engines: prefill steps x{c['prefill_x']:.2f} while the other core decodes, "
                      f"decode steps x{c['decode_x']:.2f} while it prefills")
     for mode, sp in p.serving.items():
-        busy = (f" (+{sp.ttft_overhead_busy_s * 1e3:.0f} ms beside decoding streams)"
+        busy = (f" (+{sp.ttft_overhead_busy_s * 1e3:.0f} ms beside decoding streams"
+                + (f", +{sp.ttft_overhead_queued_s * 1e3:.0f} ms after a wait at the prefill worker"
+                   if sp.ttft_overhead_queued_s is not None else "") + ")"
                 if sp.ttft_overhead_busy_s is not None else "")
         steps = f"decode steps x{sp.step_x:.2f}" + (f", prefill x{sp.prefill_x:.2f}" if sp.prefill_x else "")
         if sp.handoff_extra_s is not None:

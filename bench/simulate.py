@@ -188,6 +188,11 @@ def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
         fitted = a if a.mixed_prefill_x is not None else b
         fields["mixed_extra_s"] = fitted.mixed_extra_s
     fields["mixed_prefill_x"] = avg(a.mixed_prefill_x, b.mixed_prefill_x)
+    # the busy first-token overhead split by whether the prompt waited: where only one calibration
+    # read the split, its two figures stand (the other's one figure is of both kinds at once)
+    fields["ttft_overhead_queued_s"] = avg(a.ttft_overhead_queued_s, b.ttft_overhead_queued_s)
+    if (a.ttft_overhead_queued_s is None) != (b.ttft_overhead_queued_s is None):
+        fields["ttft_overhead_busy_s"] = (a if a.ttft_overhead_queued_s is not None else b).ttft_overhead_busy_s
     return ServingProfile(**fields, itl_jitter=jitter, ttft_jitter=avg_list(a.ttft_jitter, b.ttft_jitter),
                           how=f"the mean of two calibrations: {a.how} | {b.how}")
 

@@ -124,6 +124,12 @@ class ServingProfile:
     # the same for a request that arrives while other streams decode (the cores busy, the decode
     # side's step boundary to wait for); None: not measured, the lone figure stands for it
     ttft_overhead_busy_s: float | None = None
+    # disaggregated: the busy figure for a prompt that waited at its prefill worker (it arrived
+    # while that one computed; a decode worker's local prefills keep the other figure), whose first token then leaves while the next prompt's prefill
+    # holds the cores; ttft_overhead_busy_s is then the figure for one that did not wait. None:
+    # not measured apart, ttft_overhead_busy_s stands for both (queued requests' first tokens
+    # came 44-60 ms later than the others' beyond their queue and prefill, 2026-12-05)
+    ttft_overhead_queued_s: float | None = None
     # an engine step as served under load (8 streams) over the same step measured alone: the
     # serving stack's own CPU on the workers' cores; the simulator multiplies that mode's steps
     step_x: float = 1.0
@@ -150,8 +156,8 @@ class ServingProfile:
     # quantiles: the host's and the serving path's jitter, which the simulator's steps lack and
     # which decides an ITL p99; None: not measured (gaps as simulated)
     itl_jitter: list[float] | None = None
-    # disaggregated: the busy first-token overhead (ttft_overhead_busy_s) of staggered streams, each
-    # over their median, as equal-weight quantiles: the KV handoff's and the router's and Ray's hops
+    # disaggregated: the busy first-token overhead (ttft_overhead_busy_s, or ttft_overhead_queued_s
+    # for those that waited) of staggered streams, each over its kind's median, as equal-weight quantiles: the KV handoff's and the router's and Ray's hops
     # vary by request, which decides a TTFT p99 beside the queue; None: not measured (a constant)
     ttft_jitter: list[float] | None = None
     # what a request's arrival adds to the step its first worker (colocated or prefill) is running:
@@ -163,6 +169,8 @@ class ServingProfile:
     how: str = ""
 
     def __post_init__(self) -> None:
+        if self.ttft_overhead_queued_s is not None and not self.ttft_overhead_queued_s >= 0:
+            raise ProfileError(f"serving: ttft_overhead_queued_s must be >= 0 seconds, got {self.ttft_overhead_queued_s}")
         if self.ttft_jitter is not None and not (self.ttft_jitter and all(x > 0 for x in self.ttft_jitter)):
             raise ProfileError(f"serving: ttft_jitter must be a non-empty list of ratios > 0, got {self.ttft_jitter}")
         if self.arrival_s is not None and not self.arrival_s >= 0:

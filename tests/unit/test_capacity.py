@@ -83,6 +83,10 @@ def test_profile_round_trips_and_refuses_what_it_cannot_use(tmp_path: Path) -> N
     path.write_text(json.dumps(d))
     with pytest.raises(ProfileError, match=r"arrival_s .* must be >= 0 seconds, got -0.004"):
         Profile.load(path)
+    d["serving"]["colocated"] = {"ttft_overhead_queued_s": -0.01}
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"ttft_overhead_queued_s must be >= 0 seconds, got -0.01"):
+        Profile.load(path)
 
 
 # ------------------------------------------------------------------------------------ traffic
@@ -526,6 +530,13 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
         == pytest.approx([0.6, 2.0])
     assert mean_served(ServingProfile(ttft_jitter=[0.5, 1.5]), ServingProfile()).ttft_jitter == [0.5, 1.5]
     assert "a" in m.how and "b" in m.how
+    # the first-token overhead split by a wait at the prefill worker: both averaged, or one side's pair
+    split = ServingProfile(ttft_overhead_busy_s=0.06, ttft_overhead_queued_s=0.12)
+    both = mean_served(split, ServingProfile(ttft_overhead_busy_s=0.08, ttft_overhead_queued_s=0.14))
+    assert (both.ttft_overhead_busy_s, both.ttft_overhead_queued_s) == (pytest.approx(0.07), pytest.approx(0.13))
+    for one in (mean_served(split, ServingProfile(ttft_overhead_busy_s=0.09)),
+                mean_served(ServingProfile(ttft_overhead_busy_s=0.09), split)):
+        assert (one.ttft_overhead_busy_s, one.ttft_overhead_queued_s) == (0.06, 0.12)
     # a prompt step's factor and fixed part go together: one side's line, or both lines averaged
     fitted = ServingProfile(mixed_prefill_x=1.0, mixed_extra_s=0.002)
     single = ServingProfile(mixed_extra_s=0.03)
@@ -739,15 +750,56 @@ def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_qu
     later = [rec(2.0 + i, q, p, o, 9.0) for i, (q, p, o) in
              enumerate([(0.0, 0.07, 0.08), (0.03, 0.08, 0.09), (0.01, 0.06, 0.085)])]
     failed = SimpleNamespace(ok=False, sent=2.5, token_times=[], phase=None)
-    over, n, spread = _staggered_first_token_overhead(first_round + later + [failed])
-    assert n == 3 and over == pytest.approx(0.085)
-    assert spread is None                                  # too few to read a spread from
+    got = _staggered_first_token_overhead(first_round + later + [failed])
+    assert got.count == 3 and got.median_s == pytest.approx(0.085)
+    assert got.jitter is None and got.queued_s is None      # too few to read a spread or a split from
     assert _staggered_first_token_overhead([failed]) is None
     # enough of them: their quantiles over the median (one in four twice the median)
     many = [rec(2.0 + i, 0.0, 0.07, 0.2 if i % 4 == 3 else 0.1, 9.0) for i in range(40)]
-    over, n, spread = _staggered_first_token_overhead(first_round + many)
-    assert (n, over) == (40, pytest.approx(0.1))
-    assert spread == pytest.approx([1.0] * 6 + [2.0] * 2)
+    got = _staggered_first_token_overhead(first_round + many)
+    assert (got.count, got.median_s, got.queued_s) == (40, pytest.approx(0.1), None)
+    assert got.jitter == pytest.approx([1.0] * 6 + [2.0] * 2)
+
+
+def test_the_first_token_overhead_is_read_apart_for_prompts_that_waited_at_the_prefill_worker() -> None:
+    """A prompt that waited at the prefill worker (its phase record's queue over QUEUED_S) sends
+    its first token while the next prompt computes: each kind gets its own median, and the spread
+    is each over its own kind's median, pooled."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import QUEUED_S, TTFT_QUANTILES, _staggered_first_token_overhead
+
+    def rec(sent: float, queue: float, over: float, end: float = 60.0) -> SimpleNamespace:
+        return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 0.07 + over, end],
+                               phase={"queue_s": queue, "prefill_s": 0.07})
+
+    first_round = [rec(0.0, 0.0, 0.5, end=0.9)]
+    direct = [rec(1.0 + i, QUEUED_S / 2, 0.06 if i % 2 else 0.04) for i in range(20)]
+    waited = [rec(1.5 + i, 0.03, 0.144 if i % 2 else 0.096) for i in range(12)]
+    got = _staggered_first_token_overhead(first_round + direct + waited)
+    assert (got.count, got.queued) == (32, 12)
+    assert got.median_s == pytest.approx(0.05) and got.queued_s == pytest.approx(0.12)
+    assert got.jitter == pytest.approx([0.8] * 4 + [1.2] * 4) and len(got.jitter) == TTFT_QUANTILES
+    # too few of one kind to read it apart: one figure for all, as before
+    few = _staggered_first_token_overhead(first_round + direct + waited[:TTFT_QUANTILES - 1])
+    assert few.queued_s is None and few.count == 20 + TTFT_QUANTILES - 1
+    assert few.median_s == pytest.approx(statistics.median([0.04, 0.06] * 10 + [0.096, 0.144] * 3 + [0.096]))
+
+
+def test_a_prompt_that_waited_at_its_prefill_worker_pays_the_queued_first_token_overhead() -> None:
+    """Pairs sent at once beside a busy decode worker: the second of each pair waits for the first
+    one's prefill and pays ttft_overhead_queued_s, the first the busy figure (the very first
+    request, with no stream decoding yet, the lone one in both)."""
+    arrivals = np.repeat(np.arange(12) * 3.0, 2)
+    p, o = np.full(24, 128), np.full(24, 400)
+    shape = ClusterShape("disaggregated", 1, 1, itl_target_s=None)
+    one = ServingProfile(ttft_overhead_s=0.01, ttft_overhead_busy_s=0.05)
+    split = ServingProfile(ttft_overhead_s=0.01, ttft_overhead_busy_s=0.05, ttft_overhead_queued_s=0.2)
+    go = lambda served: simulate(profile(serving={"disaggregated": served}), shape, arrivals, p,  # noqa: E731
+                                 np.zeros_like(p), o).ttft_s
+    diff = np.round(go(split) - go(one), 9)
+    assert diff[0] == 0                                   # the lone figure: nothing decoding yet
+    assert np.all(diff[2::2] == 0) and np.allclose(diff[3::2], 0.15)
 
 
 def test_the_first_token_overhead_is_drawn_per_request_from_its_spread_in_drawn_histories() -> None:
@@ -783,8 +835,10 @@ def test_the_jitter_quantiles_are_read_over_their_median() -> None:
     assert _jitter_quantiles(values[:2 * JITTER_QUANTILES - 1]) is None      # too few to read
 
 
-def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None:
-    jitter = [1.0] * 90 + [3.0] * 10          # one decode gap in ten three times its median
+def test_the_jitter_spreads_every_gap_a_step_that_took_a_prompt_too() -> None:
+    """The served gaps' spread is the host's and the delivery path's: a prompt step's gap reaches
+    the client the same way, so it is spread as a decode step's is."""
+    jitter = [1.0] * 90 + [3.0] * 10          # one gap in ten three times its median
     plain = profile()
     shaky = plain.with_serving("colocated", ServingProfile(itl_jitter=jitter))
     args = ([0.0, 1.0], [128, 128], [200, 3])  # the second prompt's step lands among the first's decodes
@@ -792,8 +846,9 @@ def test_the_jitter_spreads_decode_steps_not_a_step_that_took_a_prompt() -> None
     b = run(shaky, "colocated", *args)
     prompt_gap = a.itl_percentile(100)         # the longest gap: the step that took the second prompt
     assert prompt_gap > 3 * a.itl_percentile(50)
-    assert b.itl_percentile(100) == pytest.approx(prompt_gap, rel=1e-6)     # not three times it
+    assert b.itl_percentile(100) == pytest.approx(3 * prompt_gap, rel=1e-6)     # spread as well
     assert b.itl_percentile(95) == pytest.approx(3 * a.itl_percentile(50), rel=1e-3)   # decode gaps are spread
+    assert b.itl_percentile(50) == pytest.approx(a.itl_percentile(50), rel=1e-6)
 
 
 def test_drawn_steps_are_reproducible_per_seed_and_take_the_profiles_time_on_average() -> None:
