@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -234,6 +235,8 @@ MIXED_LONG_PROMPT, MIXED_PROBES, MIXED_BACKGROUND_OUT = 384, 12, 320
 JITTER_QUANTILES = 50   # of the busy waves' token gaps over their median (ServingProfile.itl_jitter)
 TTFT_QUANTILES = 8      # of the staggered streams' first-token overheads (ServingProfile.ttft_jitter)
 QUEUED_S = 0.005        # a phase record's queue beyond this: the prompt waited at its first worker
+PACKED_WINDOW_S = 0.06  # prompts with one prefill share scheduled this close together shared a step (the
+                        # router's hop put a packed pair's sends plus queues up to 46 ms apart, 2026-12-05)
 MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
 
 
@@ -371,19 +374,41 @@ def _jitter_quantiles(values: list[float], quantiles: int = JITTER_QUANTILES) ->
     return [ratios[min(len(ratios) - 1, int((k + 0.5) / quantiles * len(ratios)))] for k in range(quantiles)]
 
 
-def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[float]]:
+def _prefill_steps(records: list) -> dict[int, tuple[float, int]]:
+    """The prefill step each timed record's prompt ran in: (seconds, prompts in it), by ``id``.
+    A phase record's ``prefill_s`` is the request's share of its step's compute (its tokens over
+    the step's), so two prompts packed in one step read half of it each, and the prompts of one
+    step carry bit-identical shares. For prompts of one length, as the calibration sends, the step
+    is the share times how many carry it. (A prefill worker's steps at 45 decoding streams took 80
+    ms with one prompt and 118 with two, engine step records, where the shares read 51-97 ms; the
+    staggered streams packed two prompts in 50 of 85 steps, a load at 0.8 of capacity in 17 of 83.)"""
+    timed = [r for r in records if r.ok and r.phase and (r.phase.get("prefill_s") or 0) > 0]
+    by_share: dict[float, list] = defaultdict(list)
+    for r in timed:
+        by_share[r.phase["prefill_s"]].append(r)
+    out = {}
+    for share, same in by_share.items():
+        # and one step's: scheduled together (sent plus queue within the router's hop of each other)
+        for r in same:
+            start = r.sent + (r.phase.get("queue_s") or 0.0)
+            k = sum(1 for o in same if abs(o.sent + (o.phase.get("queue_s") or 0.0) - start) < PACKED_WINDOW_S)
+            out[id(r)] = (share * k, k)
+    return out
+
+
+def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[tuple[float, int]]]:
     """Disaggregated staggered streams: their decode steps against the profiled ones
-    (``_staggered_gaps``) split by whether a prompt was being prefilled meanwhile (its phase
-    record's ``prefill_s`` before its first token), and the prefill times of the prompts sent after
-    the first stream ended (the first round's all queue at once). Returns (beside, apart, those
-    prefill times)."""
+    (``_staggered_gaps``) split by whether a prompt was being prefilled meanwhile (its prefill
+    step, ``_prefill_steps``, before its first token), and the prefill steps of the prompts sent
+    after the first stream ended (the first round's all queue at once). Returns (beside, apart,
+    (step seconds, prompts in it) of each of those prompts)."""
     done = [r for r in records if r.ok]
-    timed = [r for r in done if r.phase and (r.phase.get("prefill_s") or 0) > 0]
-    spans = [(r.token_times[0] - r.phase["prefill_s"], r.token_times[0]) for r in timed]
+    steps = _prefill_steps(done)
+    spans = [(r.token_times[0] - steps[id(r)][0], r.token_times[0]) for r in done if id(r) in steps]
     beside, apart = [], []
     for a, b, x, _ in _staggered_gaps(done, dec_eng, prompt_steps=False):
         (beside if any(lo < b and hi > a for lo, hi in spans) else apart).append(x)
-    return beside, apart, [r.phase["prefill_s"] for r in _timed_after_first_round(records)]
+    return beside, apart, [steps[id(r)] for r in _timed_after_first_round(records)]
 
 
 def _timed_after_first_round(records: list) -> list:
@@ -415,7 +440,8 @@ def _staggered_first_token_overhead(records: list) -> FirstTokenOverhead | None:
     timed = _timed_after_first_round(records)
     if not timed:
         return None
-    over = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - r.phase["prefill_s"] for r in timed]
+    steps = _prefill_steps(records)   # the first token leaves after its whole step, not its share
+    over = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - steps[id(r)][0] for r in timed]
     waited = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) > QUEUED_S]
     direct = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) <= QUEUED_S]
     if min(len(waited), len(direct)) < TTFT_QUANTILES:
@@ -679,7 +705,12 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                 # streams x0.78 here where the lockstep waves read x0.64 (at 3 streams, alike)
                 step_x = statistics.median(apart_x)
             corun_decode_x = statistics.median(beside_x) / step_x
-            corun_prefill_x = statistics.median(later) / (prefill_x * first)
+            # the prefill worker's time in those steps over the price of the same steps (one
+            # prompt each at first's length, or several packed) at the served prefill
+            prefill_of = engines[str(roles[first_role])].prefill_step_s
+            corun_prefill_x = (sum(t / k for t, k in later)
+                               / sum(prefill_x * prefill_of(k * SERVED_PROMPT) / k for _, k in later))
+            packed = sum(1 for _, k in later if k > 1)
             # the jitter as a load has it: each kind of gap over its own median (the simulator
             # applies the two factors itself); the waves' clean gaps were narrower, and the
             # simulated token-gap p99 at 0.8 of capacity 30-40% short with them (2026-12-05)
@@ -696,7 +727,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                           f"computed x{statistics.median(beside_x):.2f} of the profiled step"
                           + (f", {len(apart_x)} while not x{statistics.median(apart_x):.2f}" if apart_x else "")
                           + f" (the waves x{waves_x:.2f}): decode steps x{step_x:.2f}, x{corun_decode_x:.2f} "
-                          f"beside prefills; {len(later)} of their prefills {statistics.median(later) * 1e3:.0f} ms: "
+                          f"beside prefills; {len(later)} of their prefills, {packed} of them packed with another "
+                          f"prompt, steps {statistics.median(t for t, _ in later) * 1e3:.0f} ms: "
                           f"x{corun_prefill_x:.2f} beside decoding"
                           + (f" (single probes: decode x{probes_x:.2f}, prefill x{probes_px:.2f})"
                              if probes_x is not None and probes_px is not None else ""))

@@ -675,7 +675,7 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
         if n is not None:
             start = max([now] + [r.token_times[0] for r in pending])      # one prefill at a time
             rec = SimpleNamespace(ok=True, sent=now, token_times=[start + prefill], n=n,
-                                  phase={"prefill_s": prefill})
+                                  phase={"prefill_s": prefill, "queue_s": start - now})
             records.append(rec)
             pending.append(rec)
 
@@ -705,7 +705,28 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     assert sum(x == pytest.approx(1.5) for x in beside) >= 0.9 * len(beside)
     assert sum(x == pytest.approx(1.2) for x in apart) >= 0.9 * len(apart)
     assert statistics.median(beside) == pytest.approx(1.5) and statistics.median(apart) == pytest.approx(1.2)
-    assert later == [prefill] * len(later) and 0 < len(later) < len(records)   # not the first round
+    assert later == [(prefill, 1)] * len(later) and 0 < len(later) < len(records)   # not the first round
+
+
+def test_prompts_packed_in_one_prefill_step_read_the_whole_step() -> None:
+    """A phase record's prefill_s is the request's share of its step: two prompts packed in one
+    step carry the same share, half the step each, and were scheduled together; the same share
+    in a step far apart is another step."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _prefill_steps
+
+    def rec(sent: float, queue: float, share: float) -> SimpleNamespace:
+        return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 2 * share + 0.05, sent + 3.0],
+                               phase={"queue_s": queue, "prefill_s": share})
+
+    alone, a, b, later_same_share = rec(0.0, 0.0, 0.08), rec(1.0, 0.04, 0.059), rec(1.03, 0.04, 0.059), \
+        rec(5.0, 0.0, 0.059)
+    failed = SimpleNamespace(ok=False, sent=2.0, token_times=[], phase=None)
+    steps = _prefill_steps([alone, a, b, later_same_share, failed])
+    assert steps[id(alone)] == (0.08, 1) and steps[id(later_same_share)] == (0.059, 1)
+    assert steps[id(a)] == steps[id(b)] == (pytest.approx(0.118), 2)
+    assert id(failed) not in steps
 
 
 def test_a_long_disaggregated_gap_is_kept_as_the_token_gap_tail() -> None:
