@@ -396,7 +396,8 @@ def _prefill_steps(records: list) -> dict[int, tuple[float, int]]:
     return out
 
 
-def _beside_prefills(records: list, dec_eng: EngineProfile) -> tuple[list[float], list[float], list[tuple[float, int]]]:
+def _beside_prefills(records: list, dec_eng: EngineProfile
+                     ) -> tuple[list[float], list[float], list[tuple[float, int]]]:
     """Disaggregated staggered streams: their decode steps against the profiled ones
     (``_staggered_gaps``) split by whether a prompt was being prefilled meanwhile (its prefill
     step, ``_prefill_steps``, before its first token), and the prefill steps of the prompts sent
@@ -435,15 +436,16 @@ def _staggered_first_token_overhead(records: list) -> FirstTokenOverhead | None:
     whether it waited at the prefill worker, where both kinds number ``TTFT_QUANTILES`` or more.
     The rest is the KV handoff and the router's and Ray's hops with the prefill worker as busy as
     a load keeps it: a prompt that waited there sends its first token while the next one's
-    prefill holds the cores (+44-60 ms at 23 and 45 streams, in the staggered streams and in
-    0.55 and 0.8 of capacity loads alike, Intel host, 2026-12-05)."""
+    prefill holds the cores (4-20 ms more beyond the whole step at 45 streams; 44-60 ms more beyond
+    the prefill shares, which left half a packed prompt's step in it; Intel host, 2026-12-05)."""
     timed = _timed_after_first_round(records)
     if not timed:
         return None
     steps = _prefill_steps(records)   # the first token leaves after its whole step, not its share
-    over = [r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - steps[id(r)][0] for r in timed]
-    waited = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) > QUEUED_S]
-    direct = [o for o, r in zip(over, timed) if (r.phase.get("queue_s") or 0.0) <= QUEUED_S]
+    queues = [r.phase.get("queue_s") or 0.0 for r in timed]
+    over = [r.token_times[0] - r.sent - q - steps[id(r)][0] for r, q in zip(timed, queues)]
+    waited = [o for o, q in zip(over, queues) if q > QUEUED_S]
+    direct = [o for o, q in zip(over, queues) if q <= QUEUED_S]
     if min(len(waited), len(direct)) < TTFT_QUANTILES:
         return FirstTokenOverhead(statistics.median(over), len(over), _jitter_quantiles(over, TTFT_QUANTILES),
                                   None, len(waited))

@@ -125,10 +125,10 @@ class ServingProfile:
     # side's step boundary to wait for); None: not measured, the lone figure stands for it
     ttft_overhead_busy_s: float | None = None
     # disaggregated: the busy figure for a prompt that waited at its prefill worker (it arrived
-    # while that one computed; a decode worker's local prefills keep the other figure), whose first token then leaves while the next prompt's prefill
-    # holds the cores; ttft_overhead_busy_s is then the figure for one that did not wait. None:
-    # not measured apart, ttft_overhead_busy_s stands for both (queued requests' first tokens
-    # came 44-60 ms later than the others' beyond their queue and prefill, 2026-12-05)
+    # while that one computed; a decode worker's local prefills keep the other figure), whose first
+    # token leaves while the next prompt's prefill holds the cores; ttft_overhead_busy_s is then the
+    # figure for one that did not wait. None: not measured apart, ttft_overhead_busy_s stands for
+    # both (beyond their whole prefill steps the two kinds read 4-20 ms apart at 45 streams, 2026-12-05)
     ttft_overhead_queued_s: float | None = None
     # an engine step as served under load (8 streams) over the same step measured alone: the
     # serving stack's own CPU on the workers' cores; the simulator multiplies that mode's steps
@@ -157,8 +157,9 @@ class ServingProfile:
     # which decides an ITL p99; None: not measured (gaps as simulated)
     itl_jitter: list[float] | None = None
     # disaggregated: the busy first-token overhead (ttft_overhead_busy_s, or ttft_overhead_queued_s
-    # for those that waited) of staggered streams, each over its kind's median, as equal-weight quantiles: the KV handoff's and the router's and Ray's hops
-    # vary by request, which decides a TTFT p99 beside the queue; None: not measured (a constant)
+    # for those that waited) of staggered streams, each over its kind's median, as equal-weight
+    # quantiles: the KV handoff's and the router's and Ray's hops vary by request, which decides a
+    # TTFT p99 beside the queue; None: not measured (a constant)
     ttft_jitter: list[float] | None = None
     # what a request's arrival adds to the step its first worker (colocated or prefill) is running:
     # the HTTP request, its tokenization, the stream it opens and the one that ends, on the same
@@ -170,7 +171,8 @@ class ServingProfile:
 
     def __post_init__(self) -> None:
         if self.ttft_overhead_queued_s is not None and not self.ttft_overhead_queued_s >= 0:
-            raise ProfileError(f"serving: ttft_overhead_queued_s must be >= 0 seconds, got {self.ttft_overhead_queued_s}")
+            raise ProfileError(f"serving: ttft_overhead_queued_s must be >= 0 seconds, "
+                               f"got {self.ttft_overhead_queued_s}")
         if self.ttft_jitter is not None and not (self.ttft_jitter and all(x > 0 for x in self.ttft_jitter)):
             raise ProfileError(f"serving: ttft_jitter must be a non-empty list of ratios > 0, got {self.ttft_jitter}")
         if self.arrival_s is not None and not self.arrival_s >= 0:
