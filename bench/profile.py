@@ -56,7 +56,12 @@ from pdserve.capacity.profile import PROFILE_VERSION, EngineProfile, Profile, Se
 
 logger = logging.getLogger(__name__)
 
-PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048)
+# every 64 tokens from 128 to 384: a step that packs two or three of a load's 128-token prompts is
+# priced between them, and one noisy point bends that octave (2026-12-05: the profile's 128 read 48
+# ms where 256 read 64, a ratio of 1.34 against the engine's 1.6 then, so the second prompt of a
+# packed step was priced at 21 ms where it cost 41-51 served)
+PREFILL_TOKENS = (16, 64, 128, 192, 256, 320, 384, 512, 1024, 2048)
+PREFILL_PASSES = 5
 # every 2-4 streams through the batches a load runs at: the simulator interpolates between them,
 # and one point 10% off bends the curve over a whole octave (2026-12-05: the profile's step at 16
 # read x0.78 of this host's speed then where 8-12 read x0.70)
@@ -107,7 +112,8 @@ def profile_engine(engine, vocab: int, *, quick: bool, max_seqs: int, max_batche
     engine_prefill(engine, _prompt(gen, vocab, 32))   # warm
     # whole passes over the lengths, not repeats of one length in a row: a slow spell of this
     # shared host then lands on one sample of several lengths, and the medians drop it
-    passes = [[engine_prefill(engine, _prompt(gen, vocab, n)) for n in lens] for _ in range(repeats)]
+    passes = [[engine_prefill(engine, _prompt(gen, vocab, n)) for n in lens]
+              for _ in range(1 if quick else PREFILL_PASSES)]
     pre = [statistics.median(p[j] for p in passes) for j in range(len(lens))]
     # attention over cached context: the same 1,024 tokens, then 128 more after them
     base = _prompt(gen, vocab, CTX_CACHED)
