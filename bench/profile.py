@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -244,6 +244,7 @@ QUEUED_S = 0.005        # a phase record's queue beyond this: the prompt waited 
 PACKED_WINDOW_S = 0.06  # prompts with one prefill share scheduled this close together shared a step (the
                         # router's hop put a packed pair's sends plus queues up to 46 ms apart, 2026-12-05)
 MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
+MIN_PROMPT_STEPS = 12   # colocated: staggered steps that took prompts needed to read mixed_extra_s from
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -500,6 +501,55 @@ def _staggered_gaps(records: list, dec_eng: EngineProfile,
     return out
 
 
+def _staggered_prompt_steps(records: list) -> list[tuple[float, int, int, int]]:
+    """Colocated staggered streams' steps that took the replacements' prompts, one entry per step:
+    (seconds, prompt tokens in it, streams decoding beside them, requests sent during it).
+
+    Read from the engine's phase records, not the client's token gaps: a replacement's first token
+    reached the client a step late often enough that the gaps put half the steps' prompt counts
+    wrong (engine step records, 2026-12-06). A phase record's ``prefill_s`` is the request's share
+    of its step, its prompt tokens over the step's tokens (the prompts' and one per decoding
+    stream); the prompts of one step carry bit-identical shares and get their first tokens
+    together, so the step is a share times (its prompt tokens + the streams decoding) over the
+    request's own. The streams decoding are those started before the first tokens and not ended
+    (from the client's times). Only the prompts sent after the first stream ended: the first
+    round's all come at once, into an empty engine."""
+    done = [r for r in records if r.ok]
+    if not done:
+        return []
+    firsts = sorted(r.token_times[0] for r in done)
+    lasts = sorted(r.token_times[-1] for r in done)
+    sends = sorted(r.sent for r in records if r.sent is not None)
+    first_end = lasts[0]
+    tol = 0.003   # as in _staggered_gaps
+    by_share: dict[float, list] = defaultdict(list)
+    for r in done:
+        ph = r.phase or {}
+        if r.sent >= first_end and (ph.get("prefill_s") or 0) > 0:
+            by_share[ph["prefill_s"]].append(r)
+    out = []
+    for share, same in by_share.items():
+        same.sort(key=lambda r: r.token_times[0])
+        # one share, one step: their first tokens came together (a share repeated far apart is
+        # another step that happened to time the same)
+        groups = [[same[0]]]
+        for r in same[1:]:
+            if r.token_times[0] - groups[-1][-1].token_times[0] <= PACKED_WINDOW_S:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        for group in groups:
+            own = [(r.phase.get("prompt_tokens") or 0) - (r.phase.get("cached_prompt_tokens") or 0) for r in group]
+            if min(own) <= 0:
+                continue
+            tf = group[0].token_times[0]
+            batch = max(0, bisect.bisect_left(firsts, tf - tol) - bisect.bisect_left(lasts, tf - tol))
+            seconds = share * (sum(own) + batch) / own[0]
+            sent = bisect.bisect_left(sends, tf) - bisect.bisect_left(sends, tf - seconds)
+            out.append((seconds, sum(own), batch, sent))
+    return out
+
+
 def _staggered_group(streams: int, seed: int):
     """``streams`` streams of 24-72 tokens, ``STAGGER_ROUNDS`` per slot, each replaced as it ends:
     they decode out of step while new prompts keep arriving, as under a load."""
@@ -512,9 +562,9 @@ def _staggered_group(streams: int, seed: int):
 def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineProfile], roles: dict[str, int],
                    corun: dict | None = None, seed: int = 7_777, streams: int = BUSY_STREAMS,
                    transfer: TransferProfile | None = None, kv_bytes_per_token: int = 0,
-                   arrival_fallback_s: float | None = None) -> ServingProfile:
+                   arrival_readings: Sequence[float] = ()) -> ServingProfile:
     """A running ``pdserve up`` of ``mode`` against the profiled engine steps
-    (``arrival_fallback_s``: the arrival cost to stand where too few arrivals are read here):
+    (``arrival_readings``: this server's earlier readings of ``arrival_s``, pooled with this one's):
 
     * lone requests, one at a time: the engines' own prefill times in their phase records against
       the profiled prefill step (``prefill_x``), and what the client waits beyond them for a first
@@ -528,7 +578,12 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       (``_staggered_steps``: the gaps without a prompt or a request sent in their step, each
       against the step at the batch decoding then; their median is ``step_x``, the same ratios
       over it the jitter; the gaps with one request sent in them, less that, what an arrival adds
-      to the step it comes in, ``arrival_s``).
+      to the step it comes in: ``arrival_s`` is the median of this reading and
+      ``arrival_readings``, a cost of the serving path per request, not of the batch, which one
+      reading at 33-50 streams, where nearly every gap has a send or a prompt, put at 0-3 ms where
+      the rest read 4-9; and the steps that took the replacements' prompts, from their phase
+      records (``_staggered_prompt_steps``), beyond the probes' prompt factor and the decodes:
+      ``mixed_extra_s``, where 12 or more).
       ``itl_overhead_s`` is 0 then, and the lone requests' gaps beyond one sequence's decode step
       only when no busy gap was measured;
     * requests one at a time beside ``streams - 1`` decoding streams: what a first token pays
@@ -536,7 +591,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       colocated, their waits before their own steps beyond the rest of the decode step running
       when they came, ``_probe_wait_overhead``); colocated, also
       their own step less a decode step of the same streams then, against the profiled prefill
-      at two prompt lengths (``_probe_steps``: ``mixed_prefill_x`` and ``mixed_extra_s``);
+      at two prompt lengths (``_probe_steps``: ``mixed_prefill_x`` and ``mixed_extra_s``, whose
+      fixed part the staggered streams' prompt steps above give instead where they are enough);
       disaggregated, also the
       one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
     * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
@@ -635,17 +691,18 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         clean = [b - a for r in busy.records if r.ok for a, b in zip(r.token_times[1:], r.token_times[2:])
                  if bisect.bisect_right(marks, b) == bisect.bisect_right(marks, a - 0.005)]
     itl_jitter = _jitter_quantiles(clean)
-    arrival = None
+    arrival = arrival_read = None
     if staggered is not None:
-        step_x, n_gaps, batch, arrival = statistics.median(clean), len(clean), staggered[1], staggered[2]
-        fallback = arrival is None and arrival_fallback_s is not None
-        if fallback:
-            arrival = arrival_fallback_s
+        step_x, n_gaps, batch, arrival_read = statistics.median(clean), len(clean), staggered[1], staggered[2]
+        readings = [*arrival_readings, *([arrival_read] if arrival_read is not None else [])]
+        arrival = statistics.median(readings) if readings else None
         busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt or a send in their "
                     f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served")
         if arrival is not None:
             busy_how += (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it"
-                         + (" (too few read here: the last reading)" if fallback else ""))
+                         + (f" (the median of {len(readings)} readings on this server; here "
+                            + (f"+{arrival_read * 1e3:.1f} ms)" if arrival_read is not None else "too few)")
+                            if arrival_readings else ""))
     elif steady:
         busy_gap = statistics.median(steady)
         busy_step = dec_eng.decode_step_s(streams, streams * (SERVED_PROMPT + BUSY_OUT / 2))
@@ -794,6 +851,30 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         beside_how = (f"; {len(probe_ttfts)} requests beside {streams - 1} decoding streams: TTFT median "
                       f"{statistics.median(probe_ttfts) * 1e3:.0f} ms against a {busy_first * 1e3:.0f} ms "
                       f"first step there")
+    if colocated and mixed_extra is not None:
+        # the fixed part read again from the staggered streams' own steps that took prompts (1-3
+        # of them beside a full batch, requests arriving: a load's pattern), against the probes'
+        # line less its fixed part; the probes keep the factor on the prompt tokens. A probe comes
+        # alone beside lockstep streams: one-prompt steps among staggered streams at 42 streams
+        # ran 87-88 ms where the probes' line priced 76-77, two- and three-prompt steps 7-12% over
+        # it (engine step records, 2026-12-06). Each step less the arrivals in it (the simulator
+        # adds those itself); its time is the engine's compute, without the 1-2 ms of scheduling
+        # and output around it
+        prompt_steps = _staggered_prompt_steps(busy.records) if staggered is not None else []
+        if len(prompt_steps) >= MIN_PROMPT_STEPS:
+            prefill_of = engines[str(roles[first_role])].prefill_step_s
+            mpx = mixed_prefill_x if mixed_prefill_x is not None else p_x
+            one_decode = step_x * dec_eng.decode_step_s(1, dec_eng.decode_ctx)
+            probes_extra = mixed_extra
+            mixed_extra = statistics.median(
+                seconds - (arrival or 0.0) * sent
+                - step_x * dec_eng.decode_step_s(batch, batch * (SERVED_PROMPT + BUSY_OUT / 2))
+                - max(0.0, mpx * prefill_of(tokens) - one_decode)
+                for seconds, tokens, batch, sent in prompt_steps)
+            packed = sum(1 for _, tokens, _, _ in prompt_steps if tokens > SERVED_PROMPT)
+            beside_how += (f"; {len(prompt_steps)} steps of the staggered streams that took prompts ({packed} "
+                           f"packing more than one): {mixed_extra * 1e3:+.0f} ms beyond that line's prompt "
+                           f"tokens and decodes (the probes' {probes_extra * 1e3:+.0f} ms)")
     ttft_jitter = over_queued = None
     if stag_over is not None and stag_over.count >= streams // 2 + 1:
         probes_over = over_busy
@@ -820,6 +901,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         ttft_overhead_queued_s=over_queued,
         step_x=step_x, prefill_x=prefill_x, mixed_prefill_x=mixed_prefill_x, mixed_extra_s=mixed_extra,
         handoff_extra_s=handoff_extra, arrival_s=arrival,
+        arrival_read_s=arrival_read,
         corun_decode_x=corun_decode_x, corun_prefill_x=corun_prefill_x,
         itl_jitter=itl_jitter, ttft_jitter=ttft_jitter,
         start_s=server.start_s,

@@ -327,15 +327,15 @@ def run_bench(args: argparse.Namespace) -> dict:
                 if args.recalibrate == "off" or mode not in profile.serving:
                     return profile
                 seed = 50_000 + 10 * len(mode_calibrations)
-                # where too few requests are sent during the staggered streams' decode steps to
-                # read what one adds (a few streams), this server's last reading of it stands (the
-                # first-token overhead is read net of it)
-                last_arrival = next((c["after"]["arrival_s"] for c in reversed(mode_calibrations)
-                                     if c["after"].get("arrival_s") is not None), None)
+                # what a request's arrival adds to a step is a cost per request, not of the batch:
+                # the median of every reading on this server (one at 33-50 streams, where few gaps
+                # are free of sends and prompts, read 0-3 ms where the rest read 4-9, 2026-12-05)
+                readings = [c["after"]["arrival_read_s"] for c in mode_calibrations
+                            if c["after"].get("arrival_read_s") is not None]
                 served = measure_served(server, mode, model_dir, profile.engines, profile.roles, profile.corun,
                                         seed=seed, streams=streams, transfer=profile.transfer,
                                         kv_bytes_per_token=profile.kv_bytes_per_token,
-                                        arrival_fallback_s=last_arrival)
+                                        arrival_readings=readings)
                 served.start_s = profile.serving[mode].start_s
                 mode_calibrations.append({"before": asdict(profile.serving[mode]), "after": asdict(served),
                                           "streams": streams})

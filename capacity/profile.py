@@ -166,6 +166,9 @@ class ServingProfile:
     # cores. The simulator lengthens that step by it; None: 0. `measure_served` reads it for
     # colocated only (disaggregated, the one-host factors hold the arrivals' share)
     arrival_s: float | None = None
+    # the reading of arrival_s this measurement made itself (None: too few sends read), where
+    # arrival_s may be the median of it and the server's earlier readings (``bench simulate``)
+    arrival_read_s: float | None = None
     start_s: float = 0.0          # `pdserve up` until the pools answered
     how: str = ""
 

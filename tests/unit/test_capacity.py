@@ -543,6 +543,10 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
     assert (mean_served(single, fitted).mixed_prefill_x, mean_served(single, fitted).mixed_extra_s) == (1.0, 0.002)
     both = mean_served(fitted, ServingProfile(mixed_prefill_x=0.8, mixed_extra_s=0.01))
     assert both.mixed_prefill_x == pytest.approx(0.9) and both.mixed_extra_s == pytest.approx(0.006)
+    # the arrival cost averages like the rest; a reading is a calibration's own, not the mean's
+    x = mean_served(ServingProfile(arrival_s=0.004, arrival_read_s=0.001),
+                    ServingProfile(arrival_s=0.006, arrival_read_s=0.006))
+    assert (x.arrival_s, x.arrival_read_s) == (pytest.approx(0.005), None)
 
 
 def test_the_example_traffic_file_loads() -> None:
@@ -655,6 +659,55 @@ def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_p
     assert arrival == pytest.approx(0.006, rel=1e-6)
     # too few steps to read: nothing
     assert _staggered_steps(records[:2], eng) is None
+
+
+def test_staggered_streams_give_each_step_that_took_prompts_once_from_the_phase_records() -> None:
+    """A closed loop of 4 streams, each replaced just after it ends: a step that takes new prompts
+    costs 50 ms more a prompt, 6 ms more for each request sent during it. The engine's phase record
+    gives each prompt its share of its step (its tokens over the step's, the prompts' and one per
+    decoding stream). Each step after the first stream ended is read once: its length, its prompt
+    tokens, the streams decoding beside them and the requests sent during it."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.profile import _staggered_prompt_steps
+
+    eng = engine(2, decode=(0.02, 0.03, 0.06))
+    lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
+    t, records, live, waiting, sent, truth = 0.0, [], [], [], [], []
+
+    def send(now: float, to: list) -> None:
+        n = next(lengths, None)
+        if n is not None:
+            rec = SimpleNamespace(ok=True, sent=now, token_times=[], n=n, phase=None)
+            records.append(rec)
+            to.append(rec)
+
+    for _ in range(4):
+        send(0.0, waiting)
+    while live or waiting or sent:
+        joining, waiting[:] = list(waiting), []
+        decoding = list(live)
+        arriving = len(sent)
+        waiting.extend(sent)
+        sent.clear()
+        step = 1.2 * eng.decode_step_s(len(decoding) + len(joining), 0) + 0.05 * len(joining) + 0.006 * arriving
+        t += step
+        for rec in joining:
+            rec.phase = {"prefill_s": step * 128 / (128 * len(joining) + len(decoding)), "prompt_tokens": 128,
+                         "cached_prompt_tokens": 0}
+        if joining and all(r.sent > 0 for r in joining):
+            truth.append((step, 128 * len(joining), len(decoding), arriving))
+        for rec in decoding + joining:
+            rec.token_times.append(t)
+        live[:] = decoding + joining
+        for rec in [r for r in live if len(r.token_times) == r.n]:
+            live.remove(rec)
+            send(t + 0.001, sent)
+    got = _staggered_prompt_steps(records)
+    assert len(truth) >= 15 and any(k > 128 for _, k, _, _ in truth) and any(n for *_, n in truth)
+    assert sorted((round(g, 9), k, b, n) for g, k, b, n in got) == sorted((round(g, 9), *rest) for g, *rest in truth)
+    # (the first round, sent at once into an empty engine, is left out: truth holds none of it)
+    assert _staggered_prompt_steps([]) == []
 
 
 def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside_them() -> None:
