@@ -245,6 +245,7 @@ PACKED_WINDOW_S = 0.06  # prompts with one prefill share scheduled this close to
                         # router's hop put a packed pair's sends plus queues up to 46 ms apart, 2026-12-05)
 MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
 MIN_PROMPT_STEPS = 12   # colocated: staggered steps that took prompts needed to read mixed_extra_s from
+MIN_FREE_STEPS = 8      # colocated: steps without a send that make a step-factor reading on their own
 
 
 def measure_serving(model_dir: str, dtype: str, engines: dict[str, EngineProfile], roles: dict[str, int],
@@ -284,7 +285,8 @@ def mixed_step_fit(steps: dict[int, list[float]], prefill_s: Callable[[int], flo
     return factor, x_lo - factor * p_lo
 
 
-def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float], float, float | None] | None:
+def _staggered_steps(records: list, dec_eng: EngineProfile, arrival_prior: float | None = None
+                     ) -> tuple[list[float], float, float | None, int] | None:
     """Staggered streams' decode steps against the profiled ones: the token gaps from the first
     stream's end to the last stream's start (streams out of step, the batch full) in whose step no
     stream got its first token (a prompt's step, which the simulator runs itself), each over the
@@ -294,8 +296,15 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
     same cores: +6 ms on a 42 ms step here, engine step records of 2026-12-05), so the gaps are
     split by whether a request was sent within them. Returns (the ratios of the gaps without one,
     the mean batch, what one request sent within a gap added to it in seconds: the median over
-    the gaps with exactly one, less ``step_x`` times the profiled step), or None with fewer than 50
-    gaps without a send. The cost is None with fewer than 20 gaps with one."""
+    the gaps with exactly one, less ``step_x`` times the profiled step, how many gaps with one
+    send the ratios hold), or None with fewer than 50 gaps. The cost is None with fewer than 20
+    gaps with one.
+
+    Every stream decoding in a step gives a gap of it, so at 40-50 streams the gaps without a send
+    came from 2-3 steps, and once from too few, where the fallback (every token gap) read x1.87
+    where the calibrations on either side read x1.41 and x1.45 (2026-12-06). Where those gaps span
+    fewer than ``MIN_FREE_STEPS`` steps and an earlier reading of the cost of a send
+    (``arrival_prior``) is known, the gaps with one send, less it, join them."""
     steps = _staggered_gaps(records, dec_eng)
     sends = sorted(r.sent for r in records if r.sent is not None)
     free, one = [], []
@@ -305,14 +314,23 @@ def _staggered_steps(records: list, dec_eng: EngineProfile) -> tuple[list[float]
             free.append((x, batch))
         elif n == 1:
             one.append((b - a, batch))
-    if len(free) < 50:
-        return None
-    step_x = statistics.median(x for x, _ in free)
+
+    def profiled(batch: float) -> float:
+        return dec_eng.decode_step_s(batch, batch * (SERVED_PROMPT + BUSY_OUT / 2))
+
     arrival = None
-    if len(one) >= 20:
-        arrival = max(0.0, statistics.median(g - step_x * dec_eng.decode_step_s(b, b * (SERVED_PROMPT + BUSY_OUT / 2))
-                                             for g, b in one))
-    return [x for x, _ in free], statistics.fmean(b for _, b in free), arrival
+    if len(free) >= 50:
+        step_x = statistics.median(x for x, _ in free)
+        if len(one) >= 20:
+            arrival = max(0.0, statistics.median(g - step_x * profiled(b) for g, b in one))
+    added: list[tuple[float, float]] = []
+    few_steps = not free or len(free) / statistics.fmean(b for _, b in free) < MIN_FREE_STEPS
+    if few_steps and arrival_prior is not None:
+        added = [((g - arrival_prior) / profiled(b), b) for g, b in one]
+    ratios = free + added
+    if len(ratios) < 50:
+        return None
+    return [x for x, _ in ratios], statistics.fmean(b for _, b in ratios), arrival, len(added)
 
 
 def _probe_readings(probes: list, background: list, window_s: float = 0.5,
@@ -683,7 +701,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     # the jitter: steady gaps in which no stream of the run arrived, got its first token or
     # ended (the simulator runs those steps itself), over their median (colocated: the staggered
     # streams' decode steps over the profiled ones at their batch, over their median)
-    staggered = _staggered_steps(busy.records, dec_eng) if mode == "colocated" else None
+    prior = statistics.median(arrival_readings) if arrival_readings else None
+    staggered = _staggered_steps(busy.records, dec_eng, prior) if mode == "colocated" else None
     if staggered is not None:
         clean = staggered[0]
     else:
@@ -696,8 +715,11 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
         step_x, n_gaps, batch, arrival_read = statistics.median(clean), len(clean), staggered[1], staggered[2]
         readings = [*arrival_readings, *([arrival_read] if arrival_read is not None else [])]
         arrival = statistics.median(readings) if readings else None
-        busy_how = (f"; {streams} staggered streams: {n_gaps} token gaps without a prompt or a send in their "
-                    f"step, at {batch:.1f} streams on average: decode steps x{step_x:.2f} served")
+        with_send = staggered[3]
+        busy_how = (f"; {streams} staggered streams: {n_gaps - with_send} token gaps without a prompt or a send "
+                    f"in their step" + (f" and {with_send} with one send, less the earlier readings' "
+                                        f"+{prior * 1e3:.1f} ms" if with_send else "")
+                    + f", at {batch:.1f} streams on average: decode steps x{step_x:.2f} served")
         if arrival is not None:
             busy_how += (f"; a request sent during a step +{arrival * 1e3:.1f} ms to it"
                          + (f" (the median of {len(readings)} readings on this server; here "

@@ -615,14 +615,11 @@ def test_the_served_step_is_measured_at_the_batch_the_load_keeps_decoding() -> N
     assert seen_batch(arrivals + res.ttft_s, arrivals + res.e2e_s) == pytest.approx(8.56, abs=0.35)
     assert operating_streams(profile(engines=flat), "disaggregated", arrivals, 128, 64, 0.1) == 9
 
-def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_prompt() -> None:
-    """A closed loop of 4 streams of varied lengths, each replaced just after it ends: decode
-    steps 1.2x the profiled ones, a request sent during a step 6 ms longer for it, a step that
-    takes a new prompt 0.1 s longer. The factor is read from the decode steps without a send, at
-    the batch decoding in each, and the send's cost from those with one."""
-    from types import SimpleNamespace
 
-    from pdserve.bench.profile import _staggered_steps
+def _staggered_closed_loop() -> tuple[list, EngineProfile]:
+    """A closed loop of 4 streams of varied lengths, each replaced just after it ends (the test
+    below says how its steps are timed): its records and the profiled engine."""
+    from types import SimpleNamespace
 
     eng = engine(2, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
@@ -652,13 +649,46 @@ def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_p
         for rec in [r for r in live if len(r.token_times) == r.n]:
             live.remove(rec)
             send(t + 0.001, sent)
-    ratios, batch, arrival = _staggered_steps(records, eng)
-    # not the prompts' steps (0.1 s longer) nor those a request was sent in
+    return records, eng
+
+
+def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_prompt() -> None:
+    """A closed loop of 4 streams of varied lengths, each replaced just after it ends: decode
+    steps 1.2x the profiled ones, a request sent during a step 6 ms longer for it, a step that
+    takes a new prompt 0.1 s longer. The factor is read from the decode steps without a send, at
+    the batch decoding in each, and the send's cost from those with one."""
+    from pdserve.bench.profile import _staggered_steps
+
+    records, eng = _staggered_closed_loop()
+    ratios, batch, arrival, with_send = _staggered_steps(records, eng, arrival_prior=0.006)
+    # not the prompts' steps (0.1 s longer) nor those a request was sent in: enough steps without
+    # a send, so the earlier reading of a send's cost is not needed
     assert ratios == pytest.approx([1.2] * len(ratios), rel=1e-6)
-    assert len(ratios) >= 50 and 3.0 <= batch <= 4.0
+    assert len(ratios) >= 50 and 3.0 <= batch <= 4.0 and with_send == 0
     assert arrival == pytest.approx(0.006, rel=1e-6)
     # too few steps to read: nothing
     assert _staggered_steps(records[:2], eng) is None
+
+
+def test_staggered_streams_with_few_steps_free_of_sends_read_those_with_one_less_its_known_cost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 40-50 streams nearly every step has a send in it: the steps with one join the reading,
+    less what an earlier reading on the server put a send at, and only where one is known."""
+    import pdserve.bench.profile as prof
+
+    records, eng = _staggered_closed_loop()
+    free, _, _, _ = prof._staggered_steps(records, eng)
+    monkeypatch.setattr(prof, "MIN_FREE_STEPS", 10_000)
+    ratios, _, arrival, with_send = prof._staggered_steps(records, eng, arrival_prior=0.006)
+    assert with_send >= 10 and len(ratios) == len(free) + with_send
+    assert ratios == pytest.approx([1.2] * len(ratios), rel=1e-6)
+    assert arrival == pytest.approx(0.006, rel=1e-6)   # still read from this run's own gaps
+    # a send's cost read wrong (none) prices those steps dear, and only those
+    dear, _, _, _ = prof._staggered_steps(records, eng, arrival_prior=0.0)
+    assert sum(1 for x in dear if x > 1.2 * 1.01) == with_send
+    # no earlier reading: the free steps alone, as before
+    alone, _, _, n = prof._staggered_steps(records, eng)
+    assert n == 0 and len(alone) == len(free)
 
 
 def test_staggered_streams_give_each_step_that_took_prompts_once_from_the_phase_records() -> None:
@@ -969,6 +999,26 @@ def test_bench_simulate_averages_each_figure_over_the_drawn_histories() -> None:
     assert 2 * one[1]["ttft_p50"] - one[0]["ttft_p50"] == pytest.approx(
         simulate(shaky, ClusterShape("colocated", 0, 1, itl_target_s=0.1, shared_host=True), sent - sent[0],
                  np.full(120, 128), np.zeros(120, dtype=int), np.full(120, 32), noise_seed=1).summary()["ttft_s"]["p50"])
+
+
+def test_bench_simulate_takes_each_figure_of_a_load_as_the_median_of_its_repeats() -> None:
+    from pdserve.bench.simulate import METRICS, repeat_figures
+
+    def figures(ttft_p99: float, itl_p50: float) -> dict[str, float]:
+        return {"ttft_p50": 0.1, "ttft_p99": ttft_p99, "itl_p50": itl_p50, "itl_p99": 0.08, "throughput": 90.0}
+
+    # one repeat a host stall put 40% high on its TTFT p99; the other two agree
+    runs = [figures(0.30, 0.040), figures(0.42, 0.041), figures(0.31, 0.039)]
+    median = repeat_figures(runs)
+    assert set(median) == set(METRICS)
+    assert median["ttft_p99"] == pytest.approx(0.31)
+    assert median["itl_p50"] == pytest.approx(0.040)
+    # each metric on its own: the median TTFT p99 and the median ITL p50 come from different repeats
+    assert repeat_figures([figures(0.30, 0.050), figures(0.42, 0.041), figures(0.31, 0.039)])["itl_p50"] \
+        == pytest.approx(0.041)
+    assert repeat_figures(runs, np.mean)["ttft_p99"] == pytest.approx((0.30 + 0.42 + 0.31) / 3)
+    # two repeats: the median is their mean
+    assert repeat_figures(runs[:2])["ttft_p99"] == pytest.approx(0.36)
 
 
 def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> None:
