@@ -301,7 +301,7 @@ def _staggered_steps(records: list, dec_eng: EngineProfile, arrival_prior: float
     gaps with one.
 
     Every stream decoding in a step gives a gap of it, so at 40-50 streams the gaps without a send
-    came from 2-3 steps, and once from too few, where the fallback (every token gap) read x1.87
+    came from 2-8 steps, and once from too few, where the fallback (every token gap) read x1.87
     where the calibrations on either side read x1.41 and x1.45 (2026-12-06). Where those gaps span
     fewer than ``MIN_FREE_STEPS`` steps and an earlier reading of the cost of a send
     (``arrival_prior``) is known, the gaps with one send, less it, join them."""
