@@ -2,6 +2,8 @@
 
 What it models, as pdserve runs (``docs/capacity.md`` says what it leaves out):
 
+* The router's admission: at most decode replicas x ``max_num_seqs`` requests in flight (from
+  arrival to last token, as ``pdserve up`` sets it); the rest wait at the router in arrival order.
 * The router: each request goes to the prefill worker with the fewest uncached prompt tokens
   queued (the prefix share is assumed cached wherever the prompt lands) and to the decode worker
   with the fewest requests routed to it and not finished; in ``conditional`` mode a prompt whose
@@ -60,7 +62,7 @@ class SimPlanner(Protocol):
 
 Mode = Literal["disaggregated", "conditional", "colocated"]
 
-_ARRIVE, _BOUNDARY, _READY, _TICK, _UP = 0, 1, 2, 3, 4
+_ARRIVE, _BOUNDARY, _READY, _TICK, _UP, _ADMIT = 0, 1, 2, 3, 4, 5
 _OFF, _STARTING, _ON, _DRAINING = 0, 1, 2, 3
 _AWAY = 1 << 40   # added to a worker's routing load while it takes no new request
 
@@ -83,6 +85,14 @@ class ClusterShape:
     # prefill worker i and decode worker i share one host: their steps slow each other down by the
     # profile's co-run factors (``Profile.corun``), as a disaggregated pair on one machine does
     shared_host: bool = False
+    # the router's admission: at most (decode replicas, at the planner's largest) x max_num_seqs
+    # requests in flight, from arrival to last token, as ``pdserve up`` sets it; the rest wait at
+    # the router in arrival order. A request waiting for its prompt step (or, disaggregated, at a
+    # prefill worker) holds a slot, so near the cap the decode batch runs below max_num_seqs
+    # (2026-12-06: colocated at 0.8 of capacity, the real loads reached 64 in flight and requests
+    # waited 0.4-2 s at the router, where the simulator, capping only the batch, kept up). False:
+    # no cap at the router
+    admission: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "conditional", "colocated"):
@@ -357,6 +367,10 @@ class Simulator:
                     states[j] = _ON if j < k else _OFF
                     away[j] = 0 if j < k else _AWAY
         open_requests = 0
+        # the router's admission (ClusterShape.admission): requests in flight, and those waiting
+        admit_cap = n_d * self.max_seqs if shape.admission else math.inf
+        in_flight = 0
+        held: deque = deque()
         heap: list = []
         push, pop = heapq.heappush, heapq.heappop
         seq = 0
@@ -568,6 +582,7 @@ class Simulator:
                             out_tokens += 1
                             last_end = max(last_end, t)
                             d_load[dworker[r]] -= 1
+                            released(t)
                             if planner is not None:
                                 ended(t, r)
                             if w.role != "prefill":
@@ -592,11 +607,49 @@ class Simulator:
                 out_tokens += ol[r]
                 last_end = max(last_end, t)
                 d_load[dworker[r]] -= 1
+                released(t)
                 if planner is not None:
                     ended(t, r)
             if w.b == 0:
                 w.C = 0.0
             start(w, t)
+
+        def released(t: float) -> None:
+            """A request ended: its admission slot passes to the first one waiting at the router, at
+            ``t`` (an event, as a boundary may be iterating its worker's queues now)."""
+            nonlocal in_flight, seq
+            in_flight -= 1
+            if held:
+                seq += 1
+                push(heap, (t, seq, _ADMIT, False, 0, 0))
+
+        def dispatch(r: int, t: float) -> None:
+            """Route admitted request ``r`` at ``t``: its decode worker and the worker that prefills it."""
+            if planner is None:
+                d = int(d_load.argmin()) if len(d_load) > 1 else 0
+            else:
+                d = int((d_load + d_away).argmin())
+            d_load[d] += 1
+            dworker[r] = d
+            uncached = pl[r] - cl[r]
+            if planner is not None and not colocated and p_away.min() >= _AWAY:
+                w = dw[d]   # no prefill worker serving: the decode worker prefills it
+            elif colocated or uncached <= local_max:
+                w = dw[d]
+            else:
+                if planner is None:
+                    p = int(p_load.argmin()) if len(p_load) > 1 else 0
+                else:
+                    p = int((p_load + p_away).argmin())
+                p_load[p] += uncached
+                w = pw[p]
+            w.pq.append([r, uncached])
+            busy = w.busy
+            if ttft_over_queued is not None and w.role == "prefill" and (busy or len(w.pq) > 1):
+                busy_over[r] = ttft_over_queued * (1.0 if over_ratio is None else over_ratio[r])
+            wake(w, t)
+            if busy and arrival_s:
+                lengthen(w, arrival_s)
 
         def ended(t: float, r: int) -> None:
             nonlocal open_requests
@@ -694,6 +747,10 @@ class Simulator:
                     if extra != w.version:
                         continue
                     boundary(w, t)
+                elif kind == _ADMIT:
+                    while held and in_flight < admit_cap:
+                        in_flight += 1
+                        dispatch(held.popleft(), t)
                 else:   # _READY: KV arrived at decode worker idx for request extra
                     w = dw[idx]
                     w.wait.append(extra)
@@ -707,32 +764,13 @@ class Simulator:
             i += 1
             t_next_arrival = arr[i] if i < n else math.inf
             events += 1
-            if planner is None:
-                d = int(d_load.argmin()) if len(d_load) > 1 else 0
-            else:
+            if planner is not None:
                 open_requests += 1
-                d = int((d_load + d_away).argmin())
-            d_load[d] += 1
-            dworker[r] = d
-            uncached = pl[r] - cl[r]
-            if planner is not None and not colocated and p_away.min() >= _AWAY:
-                w = dw[d]   # no prefill worker serving: the decode worker prefills it
-            elif colocated or uncached <= local_max:
-                w = dw[d]
-            else:
-                if planner is None:
-                    p = int(p_load.argmin()) if len(p_load) > 1 else 0
-                else:
-                    p = int((p_load + p_away).argmin())
-                p_load[p] += uncached
-                w = pw[p]
-            w.pq.append([r, uncached])
-            busy = w.busy
-            if ttft_over_queued is not None and w.role == "prefill" and (busy or len(w.pq) > 1):
-                busy_over[r] = ttft_over_queued * (1.0 if over_ratio is None else over_ratio[r])
-            wake(w, t)
-            if busy and arrival_s:
-                lengthen(w, arrival_s)
+            if in_flight >= admit_cap or held:
+                held.append(r)
+                continue
+            in_flight += 1
+            dispatch(r, t)
 
         done = [r for r in range(n) if not math.isnan(e2e[r])]
         notes = []

@@ -181,6 +181,26 @@ def test_saturated_decode_runs_at_the_profiled_batch_rate() -> None:
     assert res.output_tokens_per_s == pytest.approx(8 / e.decode_step_s(8, 0), rel=0.03)
 
 
+def test_the_router_admits_decode_replicas_times_max_num_seqs_and_holds_the_rest_in_arrival_order() -> None:
+    # disaggregated, max_num_seqs 2: the third request is not prefilled until one of the first two
+    # ends (the router's in-flight cap, as `pdserve up` sets it), where without the cap the prefill
+    # worker takes it at once and only its decode waits for a slot
+    prof = profile(max_seqs=2, transfer=(0.0, 1e15))
+    arrivals, prompt = np.zeros(4), np.full(4, 16)
+    output = np.array([50, 40, 10, 10])
+
+    def sim(admission: bool):
+        shape = ClusterShape("disaggregated", 1, 1, itl_target_s=None, admission=admission)
+        return simulate(prof, shape, arrivals, prompt, np.zeros_like(prompt), output)
+
+    capped, open_ = sim(True), sim(False)
+    first_end = capped.e2e_s[1]                       # the shorter of the first two ends first
+    assert capped.ttft_s[2] > first_end
+    assert capped.ttft_s[3] > capped.ttft_s[2]        # arrival order: the fourth waits for the next slot
+    assert open_.ttft_s[2] < open_.e2e_s[1] and open_.ttft_s[3] < open_.e2e_s[1]
+    assert capped.output_tokens == open_.output_tokens == int(output.sum())
+
+
 def test_more_workers_split_the_load() -> None:
     prof = profile()
     t = Traffic.parse({"rate": 40, "prompt_len": {"mean": 64}, "output_len": {"mean": 32}, "requests": 2000})
