@@ -1,6 +1,6 @@
 """``pdserve bench simulate``: the simulator against real runs on this host, and its speed.
 
-    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 100] [--repeats 3]
+    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 200] [--repeats 3]
 
 1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~5 minutes on 2 cores).
 2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
@@ -98,9 +98,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Poisson rates as fractions of each mode's simulated capacity for this traffic")
     p.add_argument("--rates", type=_rates, help="Poisson request rates in requests/s (instead of --load)")
     p.add_argument("--modes", default="colocated,disaggregated", help="comma-separated: colocated, disaggregated")
-    # 100 requests a load: with 60, one load's p99s moved by 10-40% between two real runs of the
-    # same arrivals on this host, more than the aim allows the simulator (2026-12-05)
-    p.add_argument("--num-prompts", type=int, default=100)
+    # 200 requests a load: with 60, one load's p99s moved by 10-40% between two real runs of the
+    # same arrivals on this host (2026-12-05); with 100 a p99 is the second-largest of 100 values,
+    # and a load's three repeats still read TTFT p99s up to 53% apart (2026-12-06), where three
+    # 200-request repeats at 0.3 of capacity read 198, 198 and 226 ms
+    p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--port", type=int, default=8000)
