@@ -90,7 +90,7 @@ class ClusterShape:
     # the router in arrival order. A request waiting for its prompt step (or, disaggregated, at a
     # prefill worker) holds a slot, so near the cap the decode batch runs below max_num_seqs
     # (2026-12-06: colocated at 0.8 of capacity, the real loads reached 64 in flight and requests
-    # waited 0.4-2 s at the router, where the simulator, capping only the batch, kept up). False:
+    # waited 0.3-2 s at the router, where the simulator, capping only the batch, kept up). False:
     # no cap at the router
     admission: bool = True
 
@@ -367,7 +367,8 @@ class Simulator:
                     states[j] = _ON if j < k else _OFF
                     away[j] = 0 if j < k else _AWAY
         open_requests = 0
-        # the router's admission (ClusterShape.admission): requests in flight, and those waiting
+        # the router's admission (ClusterShape.admission): requests in flight (d_load's sum, kept as a
+        # count so an arrival does not sum every decode worker's), and those waiting
         admit_cap = n_d * self.max_seqs if shape.admission else math.inf
         in_flight = 0
         held: deque = deque()
