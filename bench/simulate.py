@@ -1,6 +1,6 @@
 """``pdserve bench simulate``: the simulator against real runs on this host, and its speed.
 
-    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 200] [--repeats 3]
+    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 200] [--repeats 3] [--records DIR]
 
 1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~5 minutes on 2 cores).
 2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
@@ -108,6 +108,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit-s", type=float, default=300.0, help="each load stops by itself after this")
+    p.add_argument("--records", type=Path, metavar="DIR",
+                   help="also write each real load's requests as the client saw them (JSON lines, phase records "
+                        "included) and the profile it was simulated with, one pair per load and repeat, into DIR: "
+                        "what a load's error came from can then be read and simulated again offline")
     p.add_argument("--skip-1m", action="store_true", help="do not time the 1,000,000-request simulation")
     p.add_argument("--recalibrate", choices=("load", "mode", "off"), default="load",
                    help="measure the served figures (step factors, overheads) again on the server under test: "
@@ -223,6 +227,14 @@ def seen_batch(starts: np.ndarray, ends: np.ndarray) -> float:
     b = b[:-1]
     open_time = float(np.sum(b * dt))
     return float(np.sum(b * b * dt)) / open_time if open_time > 0 else 0.0
+
+
+def save_records(stem: Path, records: list, profile) -> None:
+    """``stem``.jsonl: one load's requests (``RequestRecord`` fields), ``stem``.profile.json: the
+    profile it was simulated with (``--records``)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+    profile.save(stem.with_name(stem.name + ".profile.json"))
 
 
 def real_figures(records: list) -> dict:
@@ -402,6 +414,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                         mode_profile = profile.with_serving(mode, mean_served(before.serving_for(mode),
                                                                               after.serving_for(mode)))
                         before = after
+                    if args.records:
+                        save_records(args.records / f"{mode}-{rate:.2f}-{rep}", result.records, mode_profile)
                     reals.append(real_figures(result.records))
                     sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s, args.sim_seeds))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s, args.sim_seeds))

@@ -594,6 +594,24 @@ def test_bench_simulate_loads_each_mode_at_a_fraction_of_what_its_profile_can_se
         assert delivered(1.5 * cap) < 0.9, mode       # well above it, it does not
 
 
+def test_bench_simulate_records_keep_each_load_and_its_profile_to_simulate_again(tmp_path: Path) -> None:
+    from pdserve.bench.serve_load import RequestRecord
+    from pdserve.bench.simulate import METRICS, real_figures, save_records, sim_figures
+    from pdserve.capacity.profile import Profile
+
+    recs = [RequestRecord("load", i, 128, 4, sent=0.1 * i, token_times=[0.1 * i + 0.2 + 0.03 * k for k in range(4)],
+                          phase={"queue_s": 0.01, "prefill_s": 0.05}) for i in range(5)]
+    recs.append(RequestRecord("load", 5, 128, 4, sent=0.5, error="HTTP 503"))
+    prof = profile()
+    save_records(tmp_path / "colocated-0.58-0", recs, prof)
+    lines = (tmp_path / "colocated-0.58-0.jsonl").read_text().splitlines()
+    back = [RequestRecord(**json.loads(line)) for line in lines]
+    assert back == recs and real_figures(back) == real_figures(recs)
+    again = Profile.load(tmp_path / "colocated-0.58-0.profile.json")
+    a, b = sim_figures(again, "colocated", back, 0.1), sim_figures(prof, "colocated", recs, 0.1)
+    assert {m: a[m] for m in METRICS} == {m: b[m] for m in METRICS}
+
+
 def test_the_served_jitter_spreads_the_simulated_gaps_in_the_itl_percentiles_only() -> None:
     plain = profile()
     jitter = [1.0] * 90 + [3.0] * 10          # one gap in ten three times its median
