@@ -521,28 +521,7 @@ def _staggered_gaps(records: list, dec_eng: EngineProfile,
 
 def _staggered_prompt_steps(records: list) -> list[tuple[float, int, int, int]]:
     """Colocated staggered streams' steps that took the replacements' prompts, one entry per step:
-    (seconds, prompt tokens in it, streams decoding beside them, requests sent during it)
-    (``_staggered_step_groups``)."""
-    return [(seconds, tokens, batch, sent) for _, seconds, tokens, batch, sent in _staggered_step_groups(records)]
-
-
-def _colocated_first_token_overheads(records: list) -> list[float]:
-    """Colocated staggered streams after the first round: each one's first token beyond its phase
-    record's queue and the whole step its prompt ran in (``_staggered_step_groups``), both of which
-    the simulator runs itself. The rest is the request's way to the engine and its first token's
-    way back, through the router, with the cores as busy as a load keeps them. A load's read the
-    same way had a median of 20-22 ms and a p99 of 35-38 (Intel host, 2026-12-06)."""
-    out = []
-    for group, seconds, _, _, _ in _staggered_step_groups(records):
-        for r in group:
-            out.append(r.token_times[0] - r.sent - (r.phase.get("queue_s") or 0.0) - seconds)
-    return out
-
-
-def _staggered_step_groups(records: list) -> list[tuple[list, float, int, int, int]]:
-    """Colocated staggered streams' steps that took the replacements' prompts, one entry per step:
-    (the requests whose prompts it took, seconds, prompt tokens in it, streams decoding beside
-    them, requests sent during it).
+    (seconds, prompt tokens in it, streams decoding beside them, requests sent during it).
 
     Read from the engine's phase records, not the client's token gaps: a replacement's first token
     reached the client a step late often enough that the gaps put half the steps' prompt counts
@@ -585,7 +564,7 @@ def _staggered_step_groups(records: list) -> list[tuple[list, float, int, int, i
             batch = max(0, bisect.bisect_left(firsts, tf - tol) - bisect.bisect_left(lasts, tf - tol))
             seconds = share * (sum(own) + batch) / own[0]
             sent = bisect.bisect_left(sends, tf) - bisect.bisect_left(sends, tf - seconds)
-            out.append((group, seconds, sum(own), batch, sent))
+            out.append((seconds, sum(own), batch, sent))
     return out
 
 
@@ -939,23 +918,6 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                            "their queue and prefill: the busy first-token overhead")
         if probes_over is not None:
             beside_how += f" (the single probes' +{probes_over * 1e3:.0f} ms)"
-    if colocated and staggered is not None and over_busy:
-        # how the colocated first-token overhead varies by request, from the staggered streams
-        # (their own median would stand in for the probes' figure only where it matched a load's:
-        # it is kept for the scale). Ratios over their mean, as the probes' figure is a mean
-        # excess, so a drawn overhead averages it. With one figure for every request, the
-        # simulated TTFT p99 at 0.3-0.55 of capacity came below the real one in 17 of 18 repeats
-        # (by 10-34% in 12), where the loads' own overheads read a p99 1.7x their median
-        # (2026-12-06)
-        over = _colocated_first_token_overheads(busy.records)
-        ratios = _jitter_quantiles(over, TTFT_QUANTILES)
-        if ratios is not None:
-            mean = statistics.fmean(ratios)
-            ttft_jitter = [x / mean for x in ratios]
-            beside_how += (f"; {len(over)} staggered streams' first tokens beyond their queue and step: median "
-                           f"{statistics.median(over) * 1e3:.0f} ms, p90 "
-                           f"{sorted(over)[int(0.9 * (len(over) - 1))] * 1e3:.0f} ms: the spread of the "
-                           f"+{over_busy * 1e3:.0f} ms first-token overhead")
     served = ServingProfile(
         ttft_overhead_s=ttft_over, itl_overhead_s=itl_over, ttft_overhead_busy_s=over_busy,
         ttft_overhead_queued_s=over_queued,

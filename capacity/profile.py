@@ -156,11 +156,10 @@ class ServingProfile:
     # quantiles: the host's and the serving path's jitter, which the simulator's steps lack and
     # which decides an ITL p99; None: not measured (gaps as simulated)
     itl_jitter: list[float] | None = None
-    # the busy first-token overhead's spread by request, as equal-weight quantiles: disaggregated,
-    # staggered streams' (ttft_overhead_busy_s, or ttft_overhead_queued_s for those that waited),
-    # each over its kind's median; colocated, staggered streams' first tokens beyond their queue
-    # and step over their mean. The KV handoff's and the router's and Ray's hops vary by request,
-    # which decides a TTFT p99 beside the queue; None: not measured (a constant)
+    # disaggregated: the busy first-token overhead (ttft_overhead_busy_s, or ttft_overhead_queued_s
+    # for those that waited) of staggered streams, each over its kind's median, as equal-weight
+    # quantiles: the KV handoff's and the router's and Ray's hops vary by request, which decides a
+    # TTFT p99 beside the queue; None: not measured (a constant)
     ttft_jitter: list[float] | None = None
     # what a request's arrival adds to the step its first worker (colocated or prefill) is running:
     # the HTTP request, its tokenization, the stream it opens and the one that ends, on the same

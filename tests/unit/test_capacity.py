@@ -778,59 +778,6 @@ def test_staggered_streams_give_each_step_that_took_prompts_once_from_the_phase_
     assert _staggered_prompt_steps([]) == []
 
 
-def test_colocated_staggered_streams_first_tokens_beyond_their_queue_and_step_are_their_hops() -> None:
-    """A closed loop of 4 colocated streams, each replaced as it ends: a request reaches the engine
-    some milliseconds after it was sent (its own, 2-30 ms), waits there for the next step boundary
-    (its phase record's queue) and its first token reaches the client 4 ms after its step. What each
-    replacement waited beyond its queue and its whole step, packed prompts and all, is its way in and
-    out; the first round, sent at once into an empty engine, is left out."""
-    from types import SimpleNamespace
-
-    from pdserve.bench.profile import _colocated_first_token_overheads, _jitter_quantiles
-
-    lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
-    hops = iter([0.002 + 0.001 * ((7 * i) % 29) for i in range(100)])
-    out_hop = 0.004
-    t, records, live, pending, truth = 0.0, [], [], [], {}
-
-    def send(now: float) -> None:
-        n = next(lengths, None)
-        if n is not None:
-            rec = SimpleNamespace(ok=True, sent=now, token_times=[], n=n, phase=None, at=now + next(hops))
-            records.append(rec)
-            pending.append(rec)
-
-    for _ in range(4):
-        send(0.0)
-    while live or pending:
-        if not live and all(r.at > t for r in pending):
-            t = min(r.at for r in pending)   # an idle engine waits for the next arrival
-        joining = [r for r in pending if r.at <= t]
-        pending[:] = [r for r in pending if r.at > t]
-        decoding = list(live)
-        step = 0.03 + 0.002 * len(decoding) + 0.05 * len(joining)
-        start, t = t, t + step
-        for rec in joining:
-            rec.phase = {"prefill_s": step * 128 / (128 * len(joining) + len(decoding)), "prompt_tokens": 128,
-                         "cached_prompt_tokens": 0, "queue_s": start - rec.at}
-            truth[id(rec)] = rec.at - rec.sent + out_hop
-        for rec in decoding + joining:
-            rec.token_times.append(t + out_hop)
-        live[:] = decoding + joining
-        for rec in [r for r in live if len(r.token_times) == r.n]:
-            live.remove(rec)
-            send(rec.token_times[-1] + 0.001)
-    first_end = min(r.token_times[-1] for r in records)
-    want = sorted(round(truth[id(r)], 9) for r in records if r.sent >= first_end)
-    got = _colocated_first_token_overheads(records)
-    assert len(want) >= 15 and len(set(want)) >= 10
-    assert sorted(round(g, 9) for g in got) == want
-    assert _colocated_first_token_overheads([]) == []
-    # their spread as the profile keeps it: quantiles over the median, the largest above 1
-    ratios = _jitter_quantiles(got, 8)
-    assert ratios is not None and ratios == sorted(ratios) and ratios[-1] > 1.5 * ratios[0]
-
-
 def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside_them() -> None:
     """A closed loop of 4 disaggregated streams: each replacement's prompt is prefilled for 0.1 s
     on the other worker before its first token; a decode step that overlaps such a prefill takes
