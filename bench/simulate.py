@@ -504,4 +504,12 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 2:
         print("bench simulate: error: --num-prompts must be >= 2", flush=True)
         return 2
+    if args.records is not None:
+        # refused before any load runs, not when the first one's requests are written
+        try:
+            args.records.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"bench simulate: error: --records {args.records}: not a directory that can be written "
+                  f"({exc.strerror or exc})", flush=True)
+            return 2
     return 0 if run_and_save("simulate", args, lambda a: a, run_bench, format_table) else 1

@@ -1072,6 +1072,18 @@ def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> 
     assert "--repeats must be >= 1" in capsys.readouterr().out
 
 
+def test_bench_simulate_refuses_records_where_a_file_stands(capsys, tmp_path: Path) -> None:
+    import argparse
+
+    from pdserve.bench.simulate import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    (tmp_path / "taken").write_text("")
+    assert run(parser.parse_args(["--json", str(tmp_path / "sim.json"), "--records", str(tmp_path / "taken")])) == 2
+    assert "--records" in capsys.readouterr().out and not (tmp_path / "sim.json").exists()
+
+
 def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> None:
     plain = profile()
     slow = profile(serving={"disaggregated": ServingProfile(handoff_extra_s=0.02)})
