@@ -65,7 +65,10 @@ PREFILL_PASSES = 5
 # every 2-4 streams through the batches a load runs at: the simulator interpolates between them,
 # and one point 10% off bends the curve over a whole octave (2026-12-05: the profile's step at 16
 # read x0.78 of this host's speed then where 8-12 read x0.70)
-DECODE_BATCHES = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+# Above 32 streams, every row bucket (engine/row_buckets.py): the engine pads a step's rows up to
+# its bucket, so its cost rises in stairs there (2026-12-06, Intel AMX: 30.8 ms a step at 32-36
+# streams, 33.3 at 37-40), and a line between 32 and 48 priced 36 streams 2% high and 37 5% low.
+DECODE_BATCHES = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64)
 QUICK_PREFILL = (16, 128, 512)
 QUICK_BATCHES = (1, 8, 32)
 SHORT_PROMPT, LONG_PROMPT, CTX_BATCH = 64, 512, 8
@@ -134,7 +137,8 @@ def profile_engine(engine, vocab: int, *, quick: bool, max_seqs: int, max_batche
     # the timed steps run a few tokens past the prompt
     return EngineProfile(threads=engine.runner.num_threads, prefill_tokens=lens, prefill_s=pre,
                          decode_batch=batches, decode_s=dec, decode_ctx=SHORT_PROMPT + 2,
-                         decode_s_per_ctx_token=per_ctx, attn_s_per_token_ctx=attn)
+                         decode_s_per_ctx_token=per_ctx, attn_s_per_token_ctx=attn,
+                         decode_row_buckets=bool(engine.runner.bucket_rows))
 
 
 def _corun_main(conn, model_dir: str, dtype: str, threads: int, core: int | None, kind: str) -> None:
@@ -568,6 +572,13 @@ def _staggered_prompt_steps(records: list) -> list[tuple[float, int, int, int]]:
     return out
 
 
+def _served_prompts(tokens: int) -> list[float]:
+    """The prompts a calibration step of ``tokens`` prompt tokens packed: its requests all send
+    ``SERVED_PROMPT`` tokens."""
+    k = max(1, round(tokens / SERVED_PROMPT))
+    return [tokens / k] * k
+
+
 def _staggered_group(streams: int, seed: int):
     """``streams`` streams of 24-72 tokens, ``STAGGER_ROUNDS`` per slot, each replaced as it ends:
     they decode out of step while new prompts keep arriving, as under a load."""
@@ -796,7 +807,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             # prompt each at first's length, or several packed) at the served prefill
             prefill_of = engines[str(roles[first_role])].prefill_step_s
             corun_prefill_x = (sum(t / k for t, k in later)
-                               / sum(prefill_x * prefill_of(k * SERVED_PROMPT) / k for _, k in later))
+                               / sum(prefill_x * prefill_of(k * SERVED_PROMPT, parts=[SERVED_PROMPT] * k) / k
+                                     for _, k in later))
             packed = sum(1 for _, k in later if k > 1)
             # the jitter as a load has it: each kind of gap over its own median (the simulator
             # applies the two factors itself); the waves' clean gaps were narrower, and the
@@ -891,7 +903,7 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
             mixed_extra = statistics.median(
                 seconds - (arrival or 0.0) * sent
                 - step_x * dec_eng.decode_step_s(batch, batch * (SERVED_PROMPT + BUSY_OUT / 2))
-                - max(0.0, mpx * prefill_of(tokens) - one_decode)
+                - max(0.0, mpx * prefill_of(tokens, parts=_served_prompts(tokens)) - one_decode)
                 for seconds, tokens, batch, sent in prompt_steps)
             packed = sum(1 for _, tokens, _, _ in prompt_steps if tokens > SERVED_PROMPT)
             beside_how += (f"; {len(prompt_steps)} steps of the staggered streams that took prompts ({packed} "

@@ -7,7 +7,8 @@ constants, and derives the costs from them the same way every time:
 * ``prefill_s(n, ctx)``: one engine step that processes ``n`` prompt tokens (one prompt or
   several) after ``ctx`` tokens already in the cache: the measured step times against ``n``
   interpolated piecewise-linearly (extrapolated linearly beyond the last point), plus
-  ``attn_s_per_token_ctx * n * ctx`` for attending over cached context.
+  ``attn_s_per_token_ctx * n * ctx`` for attending over cached context; a step packing several
+  prompts costs the attention pairs between them less (each attends only within itself).
 * ``decode_s(b, ctx_total)``: one decode step of ``b`` sequences whose contexts sum to
   ``ctx_total`` tokens: the step time at the short measured context, interpolated over the
   batch sizes, plus ``decode_s_per_ctx_token * (ctx_total - b * short_ctx)``.
@@ -23,8 +24,12 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pdserve.engine.row_buckets import row_bucket
 
 PROFILE_VERSION = 1
 ROLES = ("prefill", "decode", "colocated")
@@ -65,6 +70,9 @@ class EngineProfile:
     decode_ctx: int
     decode_s_per_ctx_token: float = 0.0   # per token of context summed over the batch
     attn_s_per_token_ctx: float = 0.0     # prefill: per new token per cached-context token
+    # the engine pads a decode step's rows up to their row bucket, and the profile measured the
+    # buckets: price a batch at its bucket (False: profiles before 2026-12-06, or unbucketed engines)
+    decode_row_buckets: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -74,19 +82,27 @@ class EngineProfile:
         if self.decode_s_per_ctx_token < 0 or self.attn_s_per_token_ctx < 0:
             raise ProfileError("context costs must be >= 0")
 
-    def prefill_step_s(self, n: int, ctx: int = 0) -> float:
-        return max(1e-6, _interp(self.prefill_tokens, self.prefill_s, n)) + self.attn_s_per_token_ctx * n * ctx
+    def prefill_step_s(self, n: int, ctx: int = 0, parts: Sequence[int] = ()) -> float:
+        """``parts``: the lengths of the prompts (or chunks) whose ``n`` tokens one step packs;
+        empty: one prompt. The profile timed one prompt of ``n`` tokens, whose tokens attend each
+        other (``n * n / 2`` pairs); packed prompts attend only within each (the engine runs one
+        attention call per chunk), so their step costs the pairs they do not form less."""
+        base = _interp(self.prefill_tokens, self.prefill_s, n)
+        if len(parts) > 1:
+            base -= self.attn_s_per_token_ctx * (n * n - sum(k * k for k in parts)) / 2
+        return max(1e-6, base) + self.attn_s_per_token_ctx * n * ctx
 
     def decode_step_s(self, b: int, ctx_total: float) -> float:
-        base = _interp(self.decode_batch, self.decode_s, b)
+        rows = row_bucket(math.ceil(b)) if self.decode_row_buckets and b >= 1 else b
+        base = _interp(self.decode_batch, self.decode_s, rows)
         return max(1e-6, base + self.decode_s_per_ctx_token * max(0.0, ctx_total - b * self.decode_ctx))
 
-    def mixed_step_s(self, b: int, ctx_total: float, n: int) -> float:
+    def mixed_step_s(self, b: int, ctx_total: float, n: int, parts: Sequence[int] = ()) -> float:
         if b == 0:
-            return self.prefill_step_s(n)
+            return self.prefill_step_s(n, parts=parts)
         if n == 0:
             return self.decode_step_s(b, ctx_total)
-        extra = self.prefill_step_s(n) - self.decode_step_s(1, self.decode_ctx)
+        extra = self.prefill_step_s(n, parts=parts) - self.decode_step_s(1, self.decode_ctx)
         return self.decode_step_s(b, ctx_total) + max(0.0, extra)
 
     def decode_tokens_per_s(self, b: int, ctx_per_seq: float) -> float:

@@ -306,7 +306,7 @@ class Simulator:
     def _prefill_cost(eng: EngineProfile, chunks: list, b: int, C: float) -> float:
         n = sum(c[1] for c in chunks)  # c: (queue item, tokens, last, tokens done before)
         attn = eng.attn_s_per_token_ctx * sum(c[1] * c[3] for c in chunks)
-        return eng.mixed_step_s(b, C, n) + attn
+        return eng.mixed_step_s(b, C, n, [c[1] for c in chunks]) + attn
 
     def _itl_budget(self, w: _Worker) -> int | None:
         """A disaggregated decode worker's prompt tokens per step beside its decodes (ItlBudget)."""

@@ -55,6 +55,35 @@ def test_costs_interpolate_between_and_extend_past_the_measured_points() -> None
     assert e.mixed_step_s(8, 8 * 64, 128) == pytest.approx(0.03 + 0.1 - 0.02)
 
 
+def test_prompts_packed_in_one_step_cost_the_attention_pairs_between_them_less() -> None:
+    e = engine(attn=1e-7)
+    one = e.prefill_step_s(256)                       # one 256-token prompt: 256 * 256 / 2 pairs
+    two = e.prefill_step_s(256, parts=[128, 128])     # two of 128: 2 * 128 * 128 / 2 pairs
+    assert one - two == pytest.approx(1e-7 * (256 * 256 - 2 * 128 * 128) / 2)
+    assert e.prefill_step_s(256, parts=[256]) == pytest.approx(one)
+    # beside decodes too, and the cached context still costs every new token
+    assert e.mixed_step_s(8, 8 * 64, 256, [128, 128]) == pytest.approx(e.mixed_step_s(8, 8 * 64, 256) - (one - two))
+    assert e.prefill_step_s(256, 100, [128, 128]) == pytest.approx(two + 1e-7 * 256 * 100)
+    # the simulator packs two prompts that queued behind a third into one step, at that price
+    prof = profile(engines={"1": e, "2": engine(2, attn=1e-7)})
+    res = run(prof, "disaggregated", [0.0, 0.01, 0.01], [128, 128, 128], [1, 1, 1])
+    first = e.prefill_step_s(128)
+    assert list(res.ttft_s) == pytest.approx([first, first - 0.01 + two, first - 0.01 + two])
+
+
+def test_a_bucketed_engines_batch_is_priced_at_its_row_bucket_and_an_older_profile_along_the_line() -> None:
+    kw = dict(threads=1, prefill_tokens=[16], prefill_s=[0.01], decode_batch=[32, 36, 40, 48],
+              decode_s=[0.030, 0.031, 0.033, 0.036], decode_ctx=64, decode_s_per_ctx_token=1e-6)
+    stairs, line = EngineProfile(**kw, decode_row_buckets=True), EngineProfile(**kw)
+    # 33-36 streams run their matmuls at 36 rows, 37-40 at 40, 41-44 at 44 (halfway 40..48)
+    assert [stairs.decode_step_s(b, b * 64) for b in (32, 33, 36, 37, 40, 41)] == pytest.approx(
+        [0.030, 0.031, 0.031, 0.033, 0.033, 0.0345])
+    assert line.decode_step_s(33, 33 * 64) == pytest.approx(0.03025)
+    # context is per real stream, not per padded row
+    assert stairs.decode_step_s(33, 33 * 64 + 1000) == pytest.approx(0.031 + 1000e-6)
+    assert Profile.from_dict(profile(engines={"1": stairs, "2": stairs}).to_dict()).engines["1"].decode_row_buckets
+
+
 def test_profile_round_trips_and_refuses_what_it_cannot_use(tmp_path: Path) -> None:
     prof = profile(serving={"disaggregated": ServingProfile(0.05, 0.002)})
     path = tmp_path / "p.json"
