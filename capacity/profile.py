@@ -11,7 +11,9 @@ constants, and derives the costs from them the same way every time:
   prompts costs the attention pairs between them less (each attends only within itself).
 * ``decode_s(b, ctx_total)``: one decode step of ``b`` sequences whose contexts sum to
   ``ctx_total`` tokens: the step time at the short measured context, interpolated over the
-  batch sizes, plus ``decode_s_per_ctx_token * (ctx_total - b * short_ctx)``.
+  batch sizes, plus ``decode_s_per_ctx_token * (ctx_total - b * short_ctx)``. Where the engine runs
+  its matmuls at row buckets (``decode_row_buckets``, ``engine/row_buckets.py``), a batch is priced
+  at its bucket's row count: the engine's cost rises in stairs there, not along a line.
 * ``mixed_s(b, ctx_total, n)``: a colocated step that decodes ``b`` sequences and prefills ``n``
   prompt tokens: the decode step plus the prefill step's cost beyond one sampled token.
 * ``transfer_s(nbytes)``: a KV handoff: a per-transfer overhead plus bytes over bandwidth.
