@@ -19,9 +19,11 @@
    profile`` measures them: lone requests, waves of streams, requests beside decoding streams
    and, disaggregated, streams beside a prefill worker kept busy; ~20-30 s): the prefill and
    decode step factors against the profiled steps, the cost of a colocated step that takes a
-   prompt beside decodes, the one-host factors and the served overheads. A load is simulated
-   with the two measurements around it averaged (``mean_served``; a repeat's "before" is the
-   last one's "after"), which follows a host drifting steadily through the load. The waves have
+   prompt beside decodes, the one-host factors and the served overheads. A load is measured so
+   before its first repeat and after each (a repeat's "before" is the last one's "after"), and
+   every repeat of it is simulated with the mean of all those measurements (``mean_served``): it
+   follows a host drifting from one load to the next, and averages out what one 20-30 s
+   measurement misreads (two a minute apart read the step factors up to 15% apart). The waves have
    as many streams as a decoding request of this load sees beside it when the simulator runs
    the load's own arrivals (``operating_streams``; 8 for the calibration that sets the rates),
    and once more at the batch the simulator then finds with the steps read there, where that
@@ -36,8 +38,8 @@
    its own. The one-history figures are kept too (``sim_error_*_deterministic``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them). Each load
-   runs ``--repeats`` times (3), each repeat simulated with its own arrivals and the calibrations
-   around it, and a load's real and simulated figures are the medians over its repeats, as a
+   runs ``--repeats`` times (3), each repeat simulated with its own arrivals and the load's mean
+   calibration, and a load's real and simulated figures are the medians over its repeats, as a
    benchmark on a noisy host reports the median of its runs: one real run in ten put a p99 20-40%
    above its twin, a stall of the shared host that no calibration around it saw (2026-12-06).
    The errors of the means are kept too (``sim_error_*_of_means``), and ``real_spread_*`` says
@@ -123,7 +125,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     # made the load's figure (2026-12-06); the median of 3 needs two of them
     p.add_argument("--repeats", type=int, default=3,
                    help="real loads per mode and rate (the same arrivals, fresh prompts), each simulated with "
-                        "its own arrivals and calibrations; a load's figures are the medians over them, and "
+                        "its own arrivals and the mean of every calibration around the load; a load's figures are "
+                        "the medians over them, and "
                         "with 2+ the real runs' own spread is reported beside the simulator's error")
 
 
@@ -185,35 +188,47 @@ def operating_streams(profile, mode: str, arrivals: np.ndarray, prompt_len: int,
     return int(min(max(2, round(seen)), int(profile.engine["max_num_seqs"])))
 
 
-def mean_served(a: ServingProfile, b: ServingProfile) -> ServingProfile:
-    """Two served calibrations of one mode averaged, figure by figure (a figure one of them lacks
-    is the other's): the host as it was between them."""
+def mean_served(*calibrations: ServingProfile) -> ServingProfile:
+    """Served calibrations of one mode averaged, figure by figure (a figure some of them lack is
+    the mean of the others'): the host as it was over the time they span."""
     from pdserve.capacity.profile import ServingProfile
 
-    def avg(x: float | None, y: float | None) -> float | None:
-        return y if x is None else x if y is None else (x + y) / 2
+    if not calibrations:
+        raise ValueError("mean_served: no calibration to average")
 
-    def avg_list(x: list[float] | None, y: list[float] | None) -> list[float] | None:
-        return y if x is None else x if y is None or len(x) != len(y) else [(u + v) / 2 for u, v in zip(x, y)]
+    def avg(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known else None
 
-    jitter = avg_list(a.itl_jitter, b.itl_jitter)
-    fields = {k: avg(getattr(a, k), getattr(b, k))
-              for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x", "prefill_x",
-                        "mixed_extra_s", "handoff_extra_s", "corun_decode_x", "corun_prefill_x", "arrival_s",
-                        "start_s")}
-    # a prompt step's factor and fixed part are one line: where only one calibration fitted it,
-    # its line stands, not its factor beside the other's fixed part of another meaning
-    if (a.mixed_prefill_x is None) != (b.mixed_prefill_x is None):
-        fitted = a if a.mixed_prefill_x is not None else b
-        fields["mixed_extra_s"] = fitted.mixed_extra_s
-    fields["mixed_prefill_x"] = avg(a.mixed_prefill_x, b.mixed_prefill_x)
-    # the busy first-token overhead split by whether the prompt waited: where only one calibration
-    # read the split, its two figures stand (the other's one figure is of both kinds at once)
-    fields["ttft_overhead_queued_s"] = avg(a.ttft_overhead_queued_s, b.ttft_overhead_queued_s)
-    if (a.ttft_overhead_queued_s is None) != (b.ttft_overhead_queued_s is None):
-        fields["ttft_overhead_busy_s"] = (a if a.ttft_overhead_queued_s is not None else b).ttft_overhead_busy_s
-    return ServingProfile(**fields, itl_jitter=jitter, ttft_jitter=avg_list(a.ttft_jitter, b.ttft_jitter),
-                          how=f"the mean of two calibrations: {a.how} | {b.how}")
+    def avg_list(values: list[list[float] | None]) -> list[float] | None:
+        known = [v for v in values if v is not None]
+        if not known:
+            return None
+        alike = [v for v in known if len(v) == len(known[0])]   # quantiles of one resolution
+        return [sum(col) / len(alike) for col in zip(*alike)]
+
+    def each(name: str, of: tuple[ServingProfile, ...] = calibrations) -> list:
+        return [getattr(c, name) for c in of]
+
+    fields = {k: avg(each(k)) for k in ("ttft_overhead_s", "itl_overhead_s", "ttft_overhead_busy_s", "step_x",
+                                        "prefill_x", "mixed_extra_s", "handoff_extra_s", "corun_decode_x",
+                                        "corun_prefill_x", "arrival_s", "start_s")}
+    # a prompt step's factor and fixed part are one line: where only some calibrations fitted it,
+    # their lines stand, not their factor beside the others' fixed part of another meaning
+    fitted = tuple(c for c in calibrations if c.mixed_prefill_x is not None)
+    if fitted and len(fitted) < len(calibrations):
+        fields["mixed_extra_s"] = avg(each("mixed_extra_s", fitted))
+    fields["mixed_prefill_x"] = avg(each("mixed_prefill_x"))
+    # the busy first-token overhead split by whether the prompt waited: where only some calibrations
+    # read the split, their figures stand (the others' one figure is of both kinds at once)
+    fields["ttft_overhead_queued_s"] = avg(each("ttft_overhead_queued_s"))
+    split = tuple(c for c in calibrations if c.ttft_overhead_queued_s is not None)
+    if split and len(split) < len(calibrations):
+        fields["ttft_overhead_busy_s"] = avg(each("ttft_overhead_busy_s", split))
+    how = (calibrations[0].how if len(calibrations) == 1 else
+           f"the mean of {len(calibrations)} calibrations: " + " | ".join(c.how for c in calibrations))
+    return ServingProfile(**fields, itl_jitter=avg_list(each("itl_jitter")),
+                          ttft_jitter=avg_list(each("ttft_jitter")), how=how)
 
 
 def seen_batch(starts: np.ndarray, ends: np.ndarray) -> float:
@@ -397,6 +412,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     if abs(again - streams) >= max(2, 0.15 * streams):
                         streams = again
                         before = calibrate(streams)
+                around = [before.serving_for(mode)]   # every calibration around this load's repeats
+                results = []
                 for rep in range(max(1, args.repeats)):
                     # the one-thread CPU probe against the profile's, for the record: it has not
                     # tracked the engine's own speed on this host, so nothing is scaled by it
@@ -405,15 +422,20 @@ def run_bench(args: argparse.Namespace) -> dict:
                     # one would shorten prefills): how far repeats differ is then the host's own noise
                     group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
                                       rate=rate, seed=args.seed + i + 1000 * rep, arrival_seed=args.seed + i)
-                    result = asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s))
-                    mode_profile = before
+                    results.append(asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s)))
                     if args.recalibrate == "load":
-                        # the host as it was around the load: measured again right after it, at the
-                        # same batch, and the two measurements averaged (the next repeat's "before")
-                        after = calibrate(streams)
-                        mode_profile = profile.with_serving(mode, mean_served(before.serving_for(mode),
-                                                                              after.serving_for(mode)))
-                        before = after
+                        # the host as it was around the load: measured again right after each repeat,
+                        # at the same batch
+                        around.append(calibrate(streams).serving_for(mode))
+                # every repeat simulated with the mean of all the calibrations around the load's
+                # repeats: two calibrations a minute apart read the step factors up to 15% apart
+                # (20-30 s of streams each) and the real repeats did not follow them, so the mean of
+                # the two around one repeat put that repeat's simulated 0.8-of-capacity token gap
+                # median anywhere in 60-106 ms where the real three read 73-106 (2026-12-06); five
+                # full runs simulated again from their records with the mean of a load's four
+                # calibrations: 148 of 150 errors within 0.15, against 146 (2026-12-06)
+                mode_profile = profile.with_serving(mode, mean_served(*around)) if len(around) > 1 else before
+                for rep, result in enumerate(results):
                     if args.records:
                         save_records(args.records / f"{mode}-{rate:.2f}-{rep}", result.records, mode_profile)
                     reals.append(real_figures(result.records))

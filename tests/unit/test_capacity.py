@@ -598,6 +598,26 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
     assert (x.arrival_s, x.arrival_read_s) == (pytest.approx(0.005), None)
 
 
+def test_every_calibration_around_a_loads_repeats_weighs_alike() -> None:
+    from pdserve.bench.simulate import mean_served
+
+    four = [ServingProfile(step_x=x, itl_jitter=[x, 2 * x], how=f"c{i}") for i, x in enumerate((1.2, 1.4, 1.3, 1.1))]
+    m = mean_served(*four)
+    assert m.step_x == pytest.approx(1.25) and m.itl_jitter == pytest.approx([1.25, 2.5])
+    assert "4 calibrations" in m.how and all(f"c{i}" in m.how for i in range(4))
+    # some fitted the prompt-step line, some did not: the fitted ones' lines are averaged alone
+    lines = [ServingProfile(mixed_prefill_x=1.1, mixed_extra_s=0.004), ServingProfile(mixed_extra_s=0.05),
+             ServingProfile(mixed_prefill_x=0.9, mixed_extra_s=0.002)]
+    assert (mean_served(*lines).mixed_prefill_x, mean_served(*lines).mixed_extra_s) == \
+        (pytest.approx(1.0), pytest.approx(0.003))
+    # quantiles of another resolution do not mix with the first one's
+    assert mean_served(ServingProfile(itl_jitter=[1.0, 3.0]), ServingProfile(itl_jitter=[1.0, 2.0, 3.0]),
+                       ServingProfile(itl_jitter=[2.0, 5.0])).itl_jitter == pytest.approx([1.5, 4.0])
+    assert mean_served(four[0]).step_x == 1.2 and mean_served(four[0]).how == "c0"
+    with pytest.raises(ValueError):
+        mean_served()
+
+
 def test_the_example_traffic_file_loads() -> None:
     t = Traffic.load(Path(__file__).resolve().parents[2] / "examples" / "traffic.yaml")
     assert t.peak_rate == 3 and t.slo.percentile == 99 and t.num_requests() == 5000
