@@ -1108,6 +1108,24 @@ def test_bench_simulate_takes_each_figure_of_a_load_as_the_median_of_its_repeats
     assert repeat_figures(runs[:2])["ttft_p99"] == pytest.approx(0.36)
 
 
+def test_a_load_whose_first_real_repeats_disagree_runs_more_and_the_rule_reads_only_real_runs() -> None:
+    from pdserve.bench.simulate import METRICS, real_spread, repeats_wanted
+
+    def figs(itl_p50: float, throughput: float = 100.0) -> dict:
+        return {m: 0.1 for m in METRICS} | {"itl_p50": itl_p50, "throughput": throughput}
+
+    agree = [figs(0.050), figs(0.052), figs(0.055)]
+    apart = [figs(0.049), figs(0.067), figs(0.079)]   # a colocated 0.8 load's three (2026-12-06)
+    assert real_spread(apart)["itl_p50"] == pytest.approx((0.079 - 0.049) / 0.067)
+    assert repeats_wanted(agree, 7, 0.25) == 3
+    assert repeats_wanted(apart, 7, 0.25) == 7
+    assert repeats_wanted(apart, 7, 0.5) == 3        # the limit is the one given
+    assert repeats_wanted(apart, 3, 0.25) == 3       # no more than --max-repeats
+    assert repeats_wanted(apart[:1], 7, 0.25) == 1   # one run has no spread to read
+    # the throughput's spread is not a latency figure's: tokens/s apart alone runs no more
+    assert repeats_wanted([figs(0.05, 100), figs(0.05, 140), figs(0.05, 100)], 7, 0.25) == 3
+
+
 def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> None:
     import argparse
 
@@ -1119,6 +1137,10 @@ def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> 
     assert "--sim-seeds must be >= 0" in capsys.readouterr().out
     assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--repeats", "0"])) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().out
+    assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--repeats", "5", "--max-repeats", "4"])) == 2
+    assert "--max-repeats (4) must be >= --repeats (5)" in capsys.readouterr().out
+    assert run(parser.parse_args(["--json", "/nonexistent/sim.json", "--spread-limit", "0"])) == 2
+    assert "--spread-limit must be > 0" in capsys.readouterr().out
 
 
 def test_bench_simulate_refuses_records_where_a_file_stands(capsys, tmp_path: Path) -> None:
