@@ -1,6 +1,6 @@
 """``pdserve bench simulate``: the simulator against real runs on this host, and its speed.
 
-    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 200] [--repeats 3] [--records DIR]
+    pdserve bench simulate --json sim.json [--profile FILE] [--load 0.3,0.55,0.8 | --rates R,...] [--num-prompts 200] [--repeats 3] [--max-repeats 7] [--records DIR]
 
 1. The profile: ``--profile FILE``, or ``pdserve profile`` of the model run first (~5 minutes on 2 cores).
 2. Real loads: for each mode, ``pdserve up`` (colocated: one worker on every core; disaggregated:
@@ -38,7 +38,9 @@
    its own. The one-history figures are kept too (``sim_error_*_deterministic``).
 4. ``sim_error_*``: ``|sim - real| / real`` of TTFT p50/p99, ITL p50/p99 and output tokens/s,
    the largest over every mode and rate (each run's own errors are kept beside them). Each load
-   runs ``--repeats`` times (3), each repeat simulated with its own arrivals and the load's mean
+   runs ``--repeats`` times (3), or ``--max-repeats`` (7) where those first real runs read a latency
+   figure more than ``--spread-limit`` (0.25) apart (decided once, from the real runs alone), each
+   repeat simulated with its own arrivals and the load's mean
    calibration, and a load's real and simulated figures are the medians over its repeats, as a
    benchmark on a noisy host reports the median of its runs: one real run in ten put a p99 20-40%
    above its twin, a stall of the shared host that no calibration around it saw (2026-12-06).
