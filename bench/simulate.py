@@ -445,25 +445,25 @@ def run_bench(args: argparse.Namespace) -> dict:
                         streams = again
                         before = calibrate(streams)
                 around = [before.serving_for(mode)]   # every calibration around this load's repeats
-                results, rep, wanted = [], 0, max(1, args.repeats)
-                while rep < wanted:
+                first = max(1, args.repeats)
+                results, wanted = [], first
+                while len(results) < wanted:
                     # the one-thread CPU probe against the profile's, for the record: it has not
                     # tracked the engine's own speed on this host, so nothing is scaled by it
                     factors.append(speed_probe() / profile.speed_probe_s if profile.speed_probe_s else 1.0)
                     # the same arrivals with fresh prompts for every repeat (a prefix cached by the last
                     # one would shorten prefills): how far repeats differ is then the host's own noise
                     group = GroupSpec("load", args.num_prompts, prompt_len=args.prompt_len, output_len=args.output_len,
-                                      rate=rate, seed=args.seed + i + 1000 * rep, arrival_seed=args.seed + i)
+                                      rate=rate, seed=args.seed + i + 1000 * len(results), arrival_seed=args.seed + i)
                     results.append(asyncio.run(run_load(target, [group], time_limit_s=args.time_limit_s)))
+                    reals.append(real_figures(results[-1].records))
                     if args.recalibrate == "load":
                         # the host as it was around the load: measured again right after each repeat,
                         # at the same batch
                         around.append(calibrate(streams).serving_for(mode))
-                    rep += 1
-                    if rep == max(1, args.repeats):
-                        wanted = repeats_wanted([real_figures(r.records) for r in results], args.max_repeats,
-                                                args.spread_limit)
-                        if wanted > rep:
+                    if len(reals) == first:
+                        wanted = repeats_wanted(reals, args.max_repeats, args.spread_limit)
+                        if wanted > first:
                             print(f"{mode:13s} {rate:5.2f} req/s  the real repeats read a latency figure more than "
                                   f"{args.spread_limit:.2f} apart: {wanted} repeats in all", flush=True)
                 # every repeat simulated with the mean of all the calibrations around the load's
@@ -477,7 +477,6 @@ def run_bench(args: argparse.Namespace) -> dict:
                 for rep, result in enumerate(results):
                     if args.records:
                         save_records(args.records / f"{mode}-{rate:.2f}-{rep}", result.records, mode_profile)
-                    reals.append(real_figures(result.records))
                     sims.append(sim_figures(mode_profile, mode, result.records, itl_target_s, args.sim_seeds))
                     plain.append(sim_figures(profile, mode, result.records, itl_target_s, args.sim_seeds))
                     # the one deterministic history beside them (the same runs where no step is drawn)
@@ -503,7 +502,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                        "real_runs": reals, "sim_runs": sims}
                 if len(reals) > 1:   # how far one real run is from another: the floor under any model's error
                     run["real_spread"] = real_spread(reals)
-                    run["real_spread_first"] = real_spread(reals[:max(1, args.repeats)])
+                    run["real_spread_first"] = real_spread(reals[:first])
                 runs.append(run)
                 print(f"{mode:13s} {rate:5.2f} req/s  real/sim  TTFT p50 {real['ttft_p50'] * 1e3:6.0f}/{sim['ttft_p50'] * 1e3:6.0f} ms"
                       f"  p99 {real['ttft_p99'] * 1e3:6.0f}/{sim['ttft_p99'] * 1e3:6.0f}  ITL p50 "
