@@ -40,6 +40,7 @@ import bisect
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -235,7 +236,7 @@ def profile_transfer(block_bytes: int, quick: bool) -> TransferProfile:
 
 SERVED_PROMPT, SERVED_OUT, SERVED_REQUESTS = 128, 16, 8
 BUSY_STREAMS, BUSY_OUT = 8, 48
-STAGGER_ROUNDS = 3      # colocated: requests per stream in the staggered busy measurement
+STAGGER_ROUNDS = 3      # requests per stream in the staggered busy measurements, at least
 BESIDE_BACKGROUND_OUT, BESIDE_PROBES, BESIDE_DELAY_S = 240, 8, 0.5
 # colocated: the probes beside decoding streams alternate prompts of SERVED_PROMPT and of this
 # many tokens, so a step's prompt tokens get their own factor and its fixed cost is read apart
@@ -247,6 +248,13 @@ TTFT_QUANTILES = 8      # of the staggered streams' first-token overheads (Servi
 QUEUED_S = 0.005        # a phase record's queue beyond this: the prompt waited at its first worker
 PACKED_WINDOW_S = 0.06  # prompts with one prefill share scheduled this close together shared a step (the
                         # router's hop put a packed pair's sends plus queues up to 46 ms apart, 2026-12-05)
+# disaggregated: the staggered streams beside the prefill worker run enough rounds to read about
+# this many token gaps, so the top of the JITTER_QUANTILES jitter quantiles is the gaps' p99.
+# Three rounds at 3 streams read 106 gaps, whose top quantile is their second largest (about
+# their p98): the low loads' jitter read p99 x1.44-1.59 where the loads' own gaps, split and read
+# the same way, had x1.55-1.74, and the simulated token-gap p99 at 0.3 of capacity came 10-20%
+# short in ten full runs of 2026-12-06/07, the one figure past 0.15 in most of them
+STAGGER_MIN_GAPS = 10 * JITTER_QUANTILES
 MIN_RATIO = 0.01        # the smallest quantile ratio kept (ServingProfile requires them > 0)
 MIN_PROMPT_STEPS = 12   # colocated: staggered steps that took prompts needed to read mixed_extra_s from
 MIN_FREE_STEPS = 8      # colocated: steps without a send that make a step-factor reading on their own
@@ -579,12 +587,20 @@ def _served_prompts(tokens: int) -> list[float]:
     return [tokens / k] * k
 
 
-def _staggered_group(streams: int, seed: int):
-    """``streams`` streams of 24-72 tokens, ``STAGGER_ROUNDS`` per slot, each replaced as it ends:
+def _stagger_rounds(streams: int, min_gaps: int = 0) -> int:
+    """Requests per stream for ``streams`` staggered streams to read about ``min_gaps`` steady
+    token gaps: those from the first stream's end to the last send, about ``streams * BUSY_OUT``
+    a round less two and a half rounds (106 gaps read at 3 streams and 3 rounds, 594 at 7, 1430
+    at 15), and at least ``STAGGER_ROUNDS``."""
+    return max(STAGGER_ROUNDS, math.ceil(2.5 + min_gaps / (streams * BUSY_OUT)))
+
+
+def _staggered_group(streams: int, seed: int, min_gaps: int = 0):
+    """``streams`` streams of 24-72 tokens, ``_stagger_rounds`` per slot, each replaced as it ends:
     they decode out of step while new prompts keep arriving, as under a load."""
     from pdserve.bench.serve_load import GroupSpec
 
-    return GroupSpec("busy", STAGGER_ROUNDS * streams, prompt_len=SERVED_PROMPT,
+    return GroupSpec("busy", _stagger_rounds(streams, min_gaps) * streams, prompt_len=SERVED_PROMPT,
                      output_len=(BUSY_OUT // 2, 3 * BUSY_OUT // 2), concurrency=streams, seed=seed)
 
 
@@ -688,7 +704,8 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
     if mode == "disaggregated":
         # streams of varied lengths, each replaced as it ends: decoding out of step while the
         # prefill worker takes the replacements' prompts, as under a load
-        saturated = asyncio.run(run_load(target, [_staggered_group(streams, seed + 5)], time_limit_s=300))
+        saturated = asyncio.run(run_load(target, [_staggered_group(streams, seed + 5, STAGGER_MIN_GAPS)],
+                                         time_limit_s=300))
     ok = [r for r in res.records if r.ok]
     if len(ok) < SERVED_REQUESTS // 2:
         raise RuntimeError(f"served {mode}: only {len(ok)} of {SERVED_REQUESTS} requests completed: "
@@ -776,12 +793,21 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
                          f"(x{corun_decode_x:.2f}), prefills beside decoding x{corun_prefill_x:.2f}")
     handoff_extra = None
     exposed = [r.phase["kv_exposed_s"] for r in probes_in if r.phase and r.phase.get("kv_exposed_s")]
-    if mode == "disaggregated" and len(exposed) >= BESIDE_PROBES // 2:
+    # and the staggered streams' replacements', handed off as a load's are: one handoff's exposed
+    # time ranges widely (a 0.3-of-capacity load's p10-p90 1.5-28 ms), and the 8 probes' median
+    # alone read 10.6-15.7 ms at 3 streams where the loads' own records read 11.8-13.7 ms, and
+    # 13.4-15.5 ms at 7 streams where those read 15.6-21.8 ms (2026-12-06/07)
+    n_probes = len(exposed)
+    if saturated is not None:
+        exposed += [r.phase["kv_exposed_s"] for r in _timed_after_first_round(saturated.records)
+                    if r.phase.get("kv_exposed_s")]
+    if mode == "disaggregated" and n_probes >= BESIDE_PROBES // 2:
         # the handoff beside decoding streams, as the phase records time it, beyond the raw
         # NIXL transfer of those bytes the profile measured
         raw = transfer.transfer_s(SERVED_PROMPT * kv_bytes_per_token) if transfer is not None else 0.0
         handoff_extra = statistics.median(exposed) - raw
         corun_how += (f"; KV handoff beside decoding streams {statistics.median(exposed) * 1e3:.1f} ms exposed "
+                      f"(the median of {n_probes} probes' and {len(exposed) - n_probes} staggered streams') "
                       f"against {raw * 1e3:.1f} ms raw ({handoff_extra * 1e3:+.1f} ms)")
     stag_over = None   # the staggered streams' first-token overhead (FirstTokenOverhead)
     if saturated is not None and steady and prefill_x is not None:

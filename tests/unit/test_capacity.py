@@ -1166,3 +1166,15 @@ def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> Non
     # a colocated worker hands nothing off
     co = profile(serving={"colocated": ServingProfile(handoff_extra_s=0.02)})
     assert run(co, "colocated", [0.0], [128], [5]).e2e_s[0] == pytest.approx(run(plain, "colocated", [0.0], [128], [5]).e2e_s[0])
+
+
+def test_staggered_streams_run_enough_rounds_to_read_the_jitter_tail() -> None:
+    from pdserve.bench.profile import BUSY_OUT, STAGGER_MIN_GAPS, STAGGER_ROUNDS, _stagger_rounds
+
+    assert _stagger_rounds(8) == STAGGER_ROUNDS == _stagger_rounds(32, STAGGER_MIN_GAPS)
+    assert _stagger_rounds(3, STAGGER_MIN_GAPS) == 6
+    for streams in (2, 3, 4, 7, 8, 15):
+        rounds = _stagger_rounds(streams, STAGGER_MIN_GAPS)
+        # the gaps read: a round's streams * BUSY_OUT, less two and a half rounds
+        assert (rounds - 2.5) * streams * BUSY_OUT >= STAGGER_MIN_GAPS
+        assert (rounds - 3.5) * streams * BUSY_OUT < STAGGER_MIN_GAPS or rounds == STAGGER_ROUNDS
