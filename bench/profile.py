@@ -641,13 +641,14 @@ def measure_served(server, mode: str, model_dir: str, engines: dict[str, EngineP
       disaggregated, also the
       one-host factors as served (``corun_decode_x``, ``corun_prefill_x``);
     * disaggregated, the same requests' KV handoff as their phase records time it (exposed:
-      from the first token until the last block was sent) beyond the profiled raw transfer of
-      those bytes (``handoff_extra_s``);
+      from the first token until the last block was sent), pooled with the staggered streams'
+      replacements' below, beyond the profiled raw transfer of those bytes (``handoff_extra_s``);
     * disaggregated, ``streams`` streams of varied lengths, each replaced as it ends (a load's
       pattern: the prefill worker takes the replacements' prompts while the others decode): their
       token gaps against the profiled step at the batch then: those while no prompt was
       prefilled give ``step_x`` (where 50 or more; else the waves'), those while one was, over
-      it, ``corun_decode_x``; both kinds over their own medians the jitter; those prompts'
+      it, ``corun_decode_x``; both kinds over their own medians the jitter (``_stagger_rounds``
+      rounds, enough to read about ``STAGGER_MIN_GAPS`` gaps); those prompts'
       prefill times against the
       lone ones' ``corun_prefill_x`` (the single probes' figures when these could not be read:
       a probe's prefill read 1.2-1.45x the lone one where the loads' own phase records said
