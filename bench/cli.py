@@ -25,6 +25,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "structured": ("pdserve.bench.structured", "grammar libraries compared, and a grammar's cost to its batch"),
     "simulate": ("pdserve.bench.simulate", "the capacity simulator against real runs here, and its speed"),
     "failover": ("pdserve.bench.failover", "control-plane leader and router deaths: time to recover, requests lost"),
+    "hostile": ("pdserve.bench.hostile", "hostile requests: each one's stall of a neighbour's token stream"),
 }
 
 
