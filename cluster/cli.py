@@ -15,7 +15,8 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
     """The config the CLI runs: file or model, ``--set`` overrides, the environment's secrets;
     ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS.
     ``offline``: a config file meant for another machine (the model directory and TLS files are
-    not looked for here; the schema and the cross-field checks still run)."""
+    not looked for here, nor the API keys, which that machine's environment gives: ``exposure_note``
+    says what it will need; the schema and the cross-field checks still run)."""
     from pdserve.cluster.config_io import (apply_env, apply_overrides, check_exposure, config_from_model,
                                            load_config)
     from pdserve.engine.errors import InvalidRequestError
@@ -45,7 +46,19 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
             parsed[key] = value
     if parsed:
         config = apply_overrides(config, parsed, source="command line")
-    return check_exposure(apply_env(config))
+    config = apply_env(config)
+    return config if offline else check_exposure(config)
+
+
+def exposure_note(config: ClusterConfig) -> str | None:
+    """For ``config check --offline``: what the machine that runs ``config`` must give it, where
+    this one lacks it (a router beyond loopback, no key here and no TLS); None when nothing."""
+    if not config.exposure_problems():
+        return None
+    return (f"warning: not checked offline: router.host {config.router.host} is reachable from other machines "
+            f"and no API key is at hand here; where this config runs, PDSERVE_API_KEYS must hold the keys (the "
+            f"Kubernetes overlays take it from Secret pdserve-api-keys), or TLS be set, or the router refuses "
+            f"to start")
 
 
 def _add_config_source(p: argparse.ArgumentParser) -> None:
@@ -108,6 +121,8 @@ def _config(args: argparse.Namespace) -> int:
         print(json.dumps(json_schema(), indent=2))
     else:
         config = load_cli_config(args.config, args.model, args.set, offline=args.offline)
+        if args.action == "check" and args.offline and (note := exposure_note(config)):
+            print(note, file=sys.stderr)
         print(config_to_yaml(config) if args.action == "show" else
               "config OK (offline: the model directory and TLS files were not looked for)" if args.offline
               else "config OK")

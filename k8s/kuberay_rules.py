@@ -16,7 +16,13 @@ that the operator would refuse fails offline instead of in a cluster:
   annotation;
 * per-group ``idleTimeoutSeconds`` needs autoscaler v2, and autoscaler v2 needs every Ray
   pod's restartPolicy to be Never or unset;
-* the name is a DNS-1035 label of at most 63 characters.
+* the name is a DNS-1035 label of at most 63 characters;
+* ``authOptions.mode: token`` needs ``rayVersion`` 2.52.0 or newer; ``enableK8sTokenAuth`` needs
+  mode token, Ray 2.55.0 or newer and no ``secretName``; ``secretName`` is a Secret name.
+
+``token_auth_errors`` is pdserve's own rule on top (``validate.py`` applies it to every
+RayCluster): Ray token authentication is on, with a Secret the operator creates, and every
+process that talks to Ray has the token, from that Secret, never as a literal.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _RAY_START_RESOURCE_KEYS = ("num-cpus", "num-gpus", "memory", "resources")
 _FORBIDDEN_HEAD_ENV_WITH_GCS_FT = ("REDIS_PASSWORD", "RAY_REDIS_ADDRESS")
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+#: Ray's token authentication (KubeRay v1.7.0: RAY_AUTH_MODE / RAY_AUTH_TOKEN, Secret key ``auth_token``).
+AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_KEY = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "auth_token"
 
 
 def is_label_key(key: str) -> bool:
@@ -84,6 +93,80 @@ def raycluster_errors(obj: dict[str, Any]) -> list[str]:
     if v2:
         errors += _restart_policy_errors("head", head)
     errors += _gcs_ft_errors(obj)
+    errors += _auth_option_errors(spec)
+    return errors
+
+
+def token_auth_errors(obj: dict[str, Any]) -> list[str]:
+    """pdserve's rule for a RayCluster (not the operator's): Ray token authentication on, from a
+    Secret the operator creates (``authOptions.secretName``), and the token reaching every process
+    that talks to Ray. KubeRay sets RAY_AUTH_MODE and RAY_AUTH_TOKEN on each pod's Ray container
+    only (and on its own autoscaler and wait-gcs-ready); a native sidecar (an init container with
+    ``restartPolicy: Always``, like pdserve's router) must take both itself. Anywhere in a Ray pod,
+    RAY_AUTH_TOKEN comes from that Secret's ``auth_token`` (never a literal value) and RAY_AUTH_MODE,
+    if set, is ``token`` (KubeRay keeps a value a container sets, so ``disabled`` would win)."""
+    options = obj.get("spec", {}).get("authOptions") or {}
+    if options.get("mode") != "token":
+        return ["authOptions.mode must be 'token': without it the dashboard's Jobs API runs anyone's code"]
+    secret = options.get("secretName")
+    errors = [] if secret else ["authOptions.secretName must name the Secret the operator creates (key auth_token)"]
+    if options.get("enableK8sTokenAuth"):
+        errors.append("authOptions.enableK8sTokenAuth: pdserve's sidecars authenticate with the Secret's token")
+    for group_name, template in _pod_templates(obj.get("spec", {})):
+        pod = template.get("spec", {})
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            where = f"group {group_name} container {container.get('name')}"
+            env = {e.get("name"): e for e in container.get("env", []) or []}
+            sidecar = container.get("restartPolicy") == "Always"
+            mode, token = env.get(AUTH_MODE_ENV), env.get(AUTH_TOKEN_ENV)
+            if mode is not None and mode.get("value") != "token":
+                errors.append(f"{where}: {AUTH_MODE_ENV} must be 'token' (got {mode.get('value')!r})")
+            elif mode is None and sidecar:
+                errors.append(f"{where}: a sidecar joining Ray needs {AUTH_MODE_ENV}=token (KubeRay does not set it)")
+            if token is None:
+                if sidecar:
+                    errors.append(f"{where}: a sidecar joining Ray needs {AUTH_TOKEN_ENV} from Secret {secret}")
+            elif "value" in token:
+                errors.append(f"{where}: {AUTH_TOKEN_ENV} is a literal; take it from Secret {secret} (secretKeyRef)")
+            elif ((token.get("valueFrom") or {}).get("secretKeyRef") or {}) != {"name": secret, "key": AUTH_TOKEN_KEY}:
+                errors.append(f"{where}: {AUTH_TOKEN_ENV} must come from Secret {secret}, key {AUTH_TOKEN_KEY}")
+    return errors
+
+
+def _pod_templates(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    templates = [("head", spec.get("headGroupSpec", {}).get("template", {}))]
+    return templates + [(g.get("groupName", ""), g.get("template", {})) for g in spec.get("workerGroupSpecs", [])]
+
+
+def _ray_version(text: str) -> tuple[int, int, int] | None:
+    match = _VERSION.match(text or "")
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3] or 0))
+
+
+def _auth_option_errors(spec: dict[str, Any]) -> list[str]:
+    options = spec.get("authOptions")
+    if options is None:
+        return []
+    errors = []
+    secret = options.get("secretName")
+    if secret and (len(secret) > 253 or not _DNS1123_SUBDOMAIN.match(secret)):
+        errors.append(f"authOptions.secretName {secret!r} is not a valid Secret name")
+    k8s_auth = bool(options.get("enableK8sTokenAuth"))
+    if options.get("mode") != "token":
+        # KubeRay v1.7.0 turns token auth on only for an explicit mode: token (no default applies).
+        return errors + (["authOptions.enableK8sTokenAuth needs authOptions.mode token"] if k8s_auth else [])
+    version = _ray_version(spec.get("rayVersion", ""))
+    if not spec.get("rayVersion"):
+        errors.append("authOptions.mode token needs spec.rayVersion (Ray 2.52.0 or newer)")
+    elif version is None:
+        errors.append(f"authOptions.mode token: rayVersion {spec['rayVersion']!r} is not a version")
+    elif version < (2, 52, 0):
+        errors.append(f"authOptions.mode token needs Ray 2.52.0 or newer, got {spec['rayVersion']}")
+    if k8s_auth:
+        if version is not None and version < (2, 55, 0):
+            errors.append(f"authOptions.enableK8sTokenAuth needs Ray 2.55.0 or newer, got {spec['rayVersion']}")
+        if secret:
+            errors.append("authOptions.enableK8sTokenAuth together with authOptions.secretName")
     return errors
 
 

@@ -7,7 +7,8 @@
   unless that node already says ``additionalProperties`` or preserves unknown fields. The
   CRDs hold pod templates only as open objects for metadata, so each RayCluster pod template
   is also validated as a core/v1 PodTemplate, and the KubeRay operator's own admission
-  rules are checked (``kuberay_rules``).
+  rules are checked (``kuberay_rules``), with pdserve's own: Ray token authentication on, its
+  token from a Secret in every process that talks to Ray.
 * PodMonitor (no schema available offline): a structural check of the fields used here.
 
 Usage: ``python k8s/validate.py k8s/overlays/gpu [--schemas ../shared/k8s-schemas]``.
@@ -175,7 +176,7 @@ def manifest_errors(
     if group == "ray.io":
         errors = (crd_errors(obj, schemas) if schemas is not None else []) + object_meta_errors(obj, k8s_versions[-1])
         if obj.get("kind") == "RayCluster":
-            errors += kuberay_rules.raycluster_errors(obj)
+            errors += kuberay_rules.raycluster_errors(obj) + kuberay_rules.token_auth_errors(obj)
             for version in k8s_versions:
                 errors += pod_template_errors(obj, version)
         return errors

@@ -5,7 +5,8 @@ built-in kinds against strict Kubernetes schemas (kubernetes-validate), KubeRay 
 the strict v1.7.0 CRDs in ../shared/k8s-schemas, the KubeRay operator's own admission rules,
 and pdserve's wiring: Services reach the ports that exist, the cluster config agrees with the
 worker groups, every referenced Secret/ConfigMap/PVC exists or is documented as the
-operator's to create.
+operator's to create, Ray's token authentication is on with its token only in a Secret, and the
+NetworkPolicies admit clients to the routers only and Prometheus to what the PodMonitor scrapes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ POOL_KEYS = {"min_replicas", "initial_replicas", "max_replicas", "num_cpus", "re
 ENGINE_KEYS = {"block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens",
                "enable_prefix_caching"}
 #: Secrets the production overlay expects the operator to create (k8s/README.md, "Secrets").
-OPERATOR_SECRETS = {"pdserve-redis", "pdserve-api-keys"}
+OPERATOR_SECRETS = {"pdserve-redis", "pdserve-api-keys", "pdserve-ray-auth"}
+#: The Secret holding Ray's token: every overlay expects the operator to create it (no token in git).
+RAY_AUTH_SECRET = "pdserve-ray-auth"
+NETWORK_POLICIES = {"pdserve-ray", "pdserve-router", "pdserve-monitoring", "pdserve-redis"}
 
 sys.path.insert(0, str(K8S))
 import kuberay_rules  # noqa: E402
@@ -106,7 +110,7 @@ def test_overlay_renders_the_whole_deployment(rendered, overlay):
                 ("Service", "pdserve-http"), ("Service", "pdserve-grpc"), ("Service", "pdserve-dashboard"),
                 ("Service", "pdserve-metrics"), ("ConfigMap", "pdserve-config"),
                 ("ConfigMap", "pdserve-redis-config"), ("PersistentVolumeClaim", "pdserve-models"),
-                ("Namespace", "pdserve")}
+                ("Namespace", "pdserve")} | {("NetworkPolicy", name) for name in NETWORK_POLICIES}
     assert expected <= kinds
     assert all(o["metadata"].get("namespace") == "pdserve" for o in objs if o["kind"] != "Namespace")
     assert (("PodMonitor", "pdserve-ray") in kinds) == (overlay == "production")  # cpu-dev drops it
@@ -282,7 +286,7 @@ def test_pdserve_sidecar_joins_the_head(rendered, overlay):
     mine = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
     assert shared["/tmp/ray"] == mine["/tmp/ray"] == "ray-logs"  # the name KubeRay gives it
     assert mine["/etc/pdserve"] == "pdserve-config"
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sidecar["env"]}
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sidecar["env"] if "valueFrom" in e}
     assert env["PDSERVE_API_KEYS"]["name"] == "pdserve-api-keys"
     assert env["PDSERVE_REDIS_PASSWORD"]["name"] == "pdserve-redis"
 
@@ -376,8 +380,10 @@ def test_references_resolve(rendered, overlay):
             for env in container.get("env", []):
                 if "secretKeyRef" in env.get("valueFrom", {}):
                     wanted.add(("Secret", env["valueFrom"]["secretKeyRef"]["name"]))
+    wanted.add(("Secret", one(objs, "RayCluster")["spec"]["authOptions"]["secretName"]))
     missing = wanted - present
-    expected_missing = set() if overlay == "cpu-dev" else {("Secret", s) for s in OPERATOR_SECRETS}
+    operator_made = {RAY_AUTH_SECRET} if overlay == "cpu-dev" else OPERATOR_SECRETS
+    expected_missing = {("Secret", s) for s in operator_made}
     assert missing == expected_missing
 
 
@@ -515,6 +521,294 @@ def test_cluster_config_loads_with_pdserve(rendered, overlay, tmp_path):
                          environ={"PDSERVE_API_KEYS": "k1,k2", "PDSERVE_REDIS_PASSWORD": "pw"})
     assert config.router.http_port == 8000 and len(config.router.api_keys) == 2
     assert config.redis.password.get_secret_value() == "pw"
+
+
+# -- Ray token authentication ----------------------------------------------------------------
+
+def sidecars(template: dict[str, Any]) -> list[dict[str, Any]]:
+    """The native sidecars of a pod template (pdserve's routers): they join Ray as drivers."""
+    return [c for c in template["spec"].get("initContainers", []) if c.get("restartPolicy") == "Always"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_raycluster_turns_token_auth_on_with_the_operators_secret(rendered, overlay):
+    """KubeRay v1.7.0 authOptions: mode token (explicit: no default applies) and a Secret the
+    operator creates; the pdserve sidecars, which KubeRay does not touch, carry the mode and the
+    token from that Secret, so their `ray health-check` and `pdserve up`/`router` can join Ray."""
+    cluster = one(rendered[overlay], "RayCluster")
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": RAY_AUTH_SECRET}
+    assert kuberay_rules.token_auth_errors(cluster) == []
+    found = 0
+    for name, template in validate.raycluster_pod_templates(cluster):
+        for sidecar in sidecars(template):
+            env = {e["name"]: e for e in sidecar["env"]}
+            assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}, name
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": RAY_AUTH_SECRET, "key": "auth_token"}
+            found += 1
+    assert found == 2  # the head's sidecar and the router group's
+
+
+def test_validation_requires_token_auth_and_refuses_a_token_in_the_open(rendered, crd_schemas):
+    """What validate.py refuses on the production overlay's RayCluster: no authOptions, mode
+    disabled, no Secret, a sidecar without the mode or the token, a literal token, a misspelt
+    authOptions field (CRD), a container that turns the mode off."""
+    base = one(rendered["production"], "RayCluster")
+    assert validate.manifest_errors(base, crd_schemas) == []
+
+    def errors_after(change) -> list[str]:
+        cluster = copy.deepcopy(base)
+        change(cluster)
+        return validate.manifest_errors(cluster, crd_schemas)
+
+    def head_sidecar_env(cluster) -> list[dict[str, Any]]:
+        return sidecars(cluster["spec"]["headGroupSpec"]["template"])[0]["env"]
+
+    assert any("authOptions.mode must be 'token'" in e for e in errors_after(lambda c: c["spec"].pop("authOptions")))
+    assert any("authOptions.mode must be 'token'" in e
+               for e in errors_after(lambda c: c["spec"]["authOptions"].update(mode="disabled")))
+    assert any("secretName must name" in e
+               for e in errors_after(lambda c: c["spec"]["authOptions"].pop("secretName")))
+    assert any("needs RAY_AUTH_MODE=token" in e for e in errors_after(
+        lambda c: head_sidecar_env(c).remove(next(e for e in head_sidecar_env(c) if e["name"] == "RAY_AUTH_MODE"))))
+    assert any("needs RAY_AUTH_TOKEN" in e for e in errors_after(
+        lambda c: head_sidecar_env(c).remove(next(e for e in head_sidecar_env(c) if e["name"] == "RAY_AUTH_TOKEN"))))
+    assert any("RAY_AUTH_TOKEN is a literal" in e for e in errors_after(
+        lambda c: next(e for e in head_sidecar_env(c) if e["name"] == "RAY_AUTH_TOKEN").update(value="x" * 32)))
+    assert any("must come from Secret" in e for e in errors_after(
+        lambda c: next(e for e in head_sidecar_env(c) if e["name"] == "RAY_AUTH_TOKEN")["valueFrom"]
+        ["secretKeyRef"].update(name="pdserve-redis")))
+    assert any("RAY_AUTH_MODE must be 'token'" in e for e in errors_after(
+        lambda c: c["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "RAY_AUTH_MODE", "value": "disabled"})))
+    assert any("secretNme" in e for e in errors_after(
+        lambda c: c["spec"]["authOptions"].update(secretNme=c["spec"]["authOptions"].pop("secretName"))))
+    assert any("authOptions/mode" in e for e in errors_after(lambda c: c["spec"]["authOptions"].update(mode="tokn")))
+
+
+def test_kuberay_rules_check_auth_options_as_the_operator_does(rendered):
+    """KubeRay v1.7.0's admission rules for authOptions (utils/validation.go)."""
+    def errors(spec_changes: dict[str, Any], auth: dict[str, Any]) -> list[str]:
+        cluster = copy.deepcopy(one(rendered["cpu-dev"], "RayCluster"))
+        cluster["spec"].update(spec_changes)
+        cluster["spec"]["authOptions"] = auth
+        return kuberay_rules.raycluster_errors(cluster)
+
+    assert errors({}, {"mode": "token", "secretName": RAY_AUTH_SECRET}) == []
+    assert errors({}, {}) == []  # no mode: KubeRay leaves auth off (pdserve's own rule refuses that)
+    assert any("needs Ray 2.52.0 or newer, got 2.51.0" in e for e in errors({"rayVersion": "2.51.0"}, {"mode": "token"}))
+    assert any("needs spec.rayVersion" in e for e in errors({"rayVersion": ""}, {"mode": "token"}))
+    assert any("is not a version" in e for e in errors({"rayVersion": "latest"}, {"mode": "token"}))
+    assert any("together with authOptions.secretName" in e
+               for e in errors({}, {"mode": "token", "enableK8sTokenAuth": True, "secretName": "s"}))
+    assert any("needs authOptions.mode token" in e for e in errors({}, {"enableK8sTokenAuth": True}))
+    assert any("enableK8sTokenAuth needs Ray 2.55.0" in e
+               for e in errors({"rayVersion": "2.54.1"}, {"mode": "token", "enableK8sTokenAuth": True}))
+    assert any("not a valid Secret name" in e for e in errors({}, {"mode": "token", "secretName": "Ray_Auth"}))
+
+
+#: Something that looks like a token: 32+ hex digits (``openssl rand -hex``, Ray's own tokens) or
+#: 40+ letters and digits with no separator (base64); no word or name in these files is that long.
+TOKEN_LIKE = re.compile(r"\b[0-9a-fA-F]{32,}\b|[A-Za-z0-9]{40,}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_token_literal_in_any_manifest(rendered, overlay):
+    """Ray's token lives only in the Secret the operator creates: no manifest sets RAY_AUTH_TOKEN
+    to a value or ships a Secret with an ``auth_token``, and no file under k8s/ holds anything
+    shaped like a token."""
+    refs = 0
+    for obj in rendered[overlay]:
+        if obj["kind"] == "Secret":
+            assert "auth_token" not in {**obj.get("data", {}), **obj.get("stringData", {})}, obj["metadata"]["name"]
+        for container in _containers(obj):
+            for env in container.get("env", []):
+                if env["name"] in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+                    assert "value" not in env, container["name"]
+                    refs += 1
+            argv = " ".join(str(a) for a in container.get("command", []) + container.get("args", []))
+            assert "auth_token" not in argv and "AUTH_TOKEN" not in argv, container["name"]
+    assert refs == 2  # the two sidecars take it from the Secret (KubeRay adds the Ray containers')
+    for path in sorted(K8S.rglob("*.yaml")):
+        assert not TOKEN_LIKE.findall(path.read_text()), path
+    assert TOKEN_LIKE.search("auth_token: " + "3f" * 16) and TOKEN_LIKE.search("c2stcGRzZXJ2ZS1kZXYtdG9rZW4tZm9yLXRlc3Rz")
+
+
+# -- network policies ------------------------------------------------------------------------
+
+#: The peer every Ray pod admits on any port: the cluster's own Ray pods.
+RAY_PEER = {"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}}}
+MONITORING_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+ANYWHERE = "anywhere"
+#: A port nothing declares: NIXL/UCX listen on such ports between prefill and decode pods.
+ARBITRARY_PORT = 23456
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are evaluated here"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def pods(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str], dict[str, int]]]:
+    """(name, labels as they will be on the pod, named container ports) of every Ray pod and Redis."""
+    cluster = one(objs, "RayCluster")
+    found = []
+    for name, template in validate.raycluster_pod_templates(cluster):
+        labels = {"ray.io/cluster": cluster["metadata"]["name"],
+                  "ray.io/node-type": "head" if name == "head" else "worker", **template["metadata"].get("labels", {})}
+        found.append((name, labels, {p["name"]: p["containerPort"] for c in pod_containers(template)
+                                     for p in c.get("ports", [])}))
+    redis = one(objs, "StatefulSet", "pdserve-redis")["spec"]["template"]
+    found.append(("redis", redis["metadata"]["labels"], {p["name"]: p["containerPort"] for c in pod_containers(redis)
+                                                        for p in c.get("ports", [])}))
+    return found
+
+
+def admitted(policies: list[dict[str, Any]], labels: dict[str, str], port: int) -> list[Any]:
+    """Who may open a TCP connection to ``port`` of a pod with ``labels``: the peers of every
+    ingress rule that covers the port, ANYWHERE for a rule without ``from`` (or no policy at all)."""
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], labels)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return [ANYWHERE]
+    peers: list[Any] = []
+    for rule in (r for p in selecting for r in p["spec"].get("ingress", [])):
+        ports = rule.get("ports")
+        if ports is not None and not any(q.get("protocol", "TCP") == "TCP" and q["port"] == port for q in ports):
+            continue
+        peers += rule.get("from") or [ANYWHERE]
+    return peers
+
+
+def scraped_ports(objs: list[dict[str, Any]]) -> set[int]:
+    """The port numbers k8s/base/podmonitor.yaml scrapes: its endpoints' port names, resolved on
+    the Ray pods that declare them."""
+    monitor = yaml.safe_load((K8S / "base" / "podmonitor.yaml").read_text())
+    names = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    numbers = {ports[n] for name, _, ports in pods(objs) if name != "redis" for n in names if n in ports}
+    declared = {n for name, _, ports in pods(objs) if name != "redis" for n in ports}
+    assert names <= declared  # every endpoint's port exists on some Ray pod
+    return numbers
+
+
+def network_policies(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_select_every_ray_pod_and_redis(rendered, overlay):
+    policies = network_policies(rendered[overlay])
+    assert {p["metadata"]["name"] for p in policies} == NETWORK_POLICIES
+    for name, labels, _ in pods(rendered[overlay]):
+        assert admitted(policies, labels, ARBITRARY_PORT) != [ANYWHERE], f"no policy selects the {name} pods"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_outside_traffic_reaches_only_the_router_services_ports(rendered, overlay):
+    """On every port of every pod (and one nobody declares): clients from anywhere only to the
+    ports of the HTTP and gRPC Services on the pods they select; the monitoring namespace only to
+    scraped ports; everything else from the Ray pods alone (Ray, NIXL/UCX between pods)."""
+    objs = rendered[overlay]
+    policies = network_policies(objs)
+    services = [one(objs, "Service", n)["spec"] for n in ("pdserve-http", "pdserve-grpc")]
+    scraped = scraped_ports(objs)
+    for name, labels, ports in pods(objs):
+        client_ports = {p["targetPort"] for svc in services if selects({"matchLabels": svc["selector"]}, labels)
+                        for p in svc["ports"]}
+        for port in set(ports.values()) | {ARBITRARY_PORT}:
+            peers = admitted(policies, labels, port)
+            for peer in peers:
+                if peer == ANYWHERE:
+                    assert port in client_ports, f"{name} port {port} is open to anyone"
+                elif peer == MONITORING_PEER:
+                    assert port in scraped, f"{name} port {port} is open to the monitoring namespace"
+                else:
+                    assert peer == RAY_PEER, f"{name} port {port} admits {peer}"
+            if name != "redis":
+                assert RAY_PEER in peers, f"Ray pods cannot reach {name} port {port}"
+    routers = [labels for name, labels, _ in pods(objs) if labels.get("pdserve.io/router") == "true"]
+    assert len(routers) == 2 and all(ANYWHERE in admitted(policies, labels, port)
+                                     for labels in routers for port in (8000, 50051))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dashboard_gcs_and_client_answer_only_the_ray_pods(rendered, overlay):
+    objs = rendered[overlay]
+    policies = network_policies(objs)
+    name, labels, ports = next(p for p in pods(objs) if p[0] == "head")
+    for port_name in ("dashboard", "gcs-server", "client"):
+        assert admitted(policies, labels, ports[port_name]) == [RAY_PEER], port_name
+    # the check can fail: one rule without `from` opens the dashboard to the whole cluster
+    opened = policies + [{"spec": {"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}},
+                                   "ingress": [{"ports": [{"port": ports["dashboard"]}]}]}}]
+    assert ANYWHERE in admitted(opened, labels, ports["dashboard"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_namespace_reaches_exactly_the_scraped_ports(rendered, overlay):
+    objs = rendered[overlay]
+    policies = network_policies(objs)
+    scraped = scraped_ports(objs)
+    assert {8080, 8000} <= scraped
+    monitoring_ports = {q["port"] for p in policies for r in p["spec"].get("ingress", [])
+                        if MONITORING_PEER in r.get("from", []) for q in r["ports"]}
+    assert monitoring_ports == scraped
+    monitor = yaml.safe_load((K8S / "base" / "podmonitor.yaml").read_text())
+    names = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for name, labels, ports in pods(objs):
+        if name == "redis":
+            continue
+        for port_name in names & set(ports):  # what Prometheus scrapes on this pod
+            assert MONITORING_PEER in admitted(policies, labels, ports[port_name]), (name, port_name)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_admits_only_the_ray_pods(rendered, overlay):
+    objs = rendered[overlay]
+    policies = network_policies(objs)
+    _, labels, ports = next(p for p in pods(objs) if p[0] == "redis")
+    assert admitted(policies, labels, ports["redis"]) == [RAY_PEER]
+    assert admitted(policies, labels, ARBITRARY_PORT) == []
+    host, _, port = one(objs, "RayCluster")["spec"]["gcsFaultToleranceOptions"]["redisAddress"].partition(":")
+    assert int(port) == ports["redis"]
+
+
+# -- the documented commands -----------------------------------------------------------------
+
+def test_config_check_offline_on_the_production_overlay_needs_no_secrets(tmp_path, monkeypatch, capsys):
+    """`pdserve config check --offline` as k8s/README.md shows it: no PDSERVE_API_KEYS in the
+    operator's shell, so it warns where the keys come from and passes; the check that runs where
+    the router starts still refuses the same config without a key."""
+    from pdserve.cli import main
+
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    monkeypatch.delenv("PDSERVE_REDIS_PASSWORD", raising=False)
+    config = K8S / "overlays" / "production" / "cluster.yaml"
+    assert f"pdserve config check --offline -c {config.relative_to(REPO)}" in (K8S / "README.md").read_text()
+    assert main(["config", "check", "--offline", "-c", str(config)]) == 0
+    out = capsys.readouterr()
+    assert "config OK (offline" in out.out and "PDSERVE_API_KEYS" in out.err and "pdserve-api-keys" in out.err
+
+    model = tmp_path / "llama"  # the config as the pod sees it: its model directory exists
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    in_pod = tmp_path / "cluster.yaml"
+    in_pod.write_text(config.read_text().replace("path: /models/llama", f"path: {model}", 1))
+    here = ["config", "check", "-c", str(in_pod)]
+    assert main(here) == 2
+    assert "no api_keys and no TLS" in capsys.readouterr().err
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-unit-k8s")  # what Secret pdserve-api-keys gives the pod
+    assert main(here) == 0
+    assert capsys.readouterr().out.strip() == "config OK"
+
+
+def test_prepare_model_in_the_init_container_needs_no_api_key(tiny_model, monkeypatch, capsys):
+    """The `model` init containers run `pdserve prepare-model` without PDSERVE_API_KEYS (they
+    serve nothing): the router's exposure check is not theirs to make."""
+    from pdserve.cli import main
+
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    config = K8S / "overlays" / "production" / "cluster.yaml"
+    assert main(["prepare-model", "-c", str(config), "--set", f"model.path={tiny_model}"]) == 0, capsys.readouterr().err
 
 
 # -- image -----------------------------------------------------------------------------------
