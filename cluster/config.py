@@ -26,7 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo,
                       field_validator, model_validator)
 
 from pdserve.cluster.planner import PlannerPolicy
-from pdserve.engine.config import EngineConfig, EngineMode, SchedulingPolicy
+from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, SchedulingPolicy,
+                                   StructuredLimits)
 from pdserve.engine.errors import InvalidRequestError
 
 KIB = 1024
@@ -413,6 +414,26 @@ class RaySettings(_Settings):
         return value
 
 
+class StructuredSettings(_Settings):
+    compile_timeout_s: float = Field(StructuredLimits().compile_timeout_s, gt=0, le=600, description=
+                                     "Longest a structured output's grammar (guided_json, response_format, "
+                                     "guided_regex, guided_grammar, tools) may take to compile. Each engine "
+                                     "compiles in a niced child process that is killed when this is up; the "
+                                     "request then ends with HTTP 400 naming this setting, and the refusal is "
+                                     "cached. The router's own check of a grammar is bounded by it too. "
+                                     "Compiling never holds up other requests: the request waits for its "
+                                     "grammar outside the batch.")
+    max_depth: int = Field(StructuredLimits().max_depth, ge=2, le=MAX_DEPTH_CEILING, description=
+                           "Deepest nesting a structured output's spec may have: JSON levels of a schema "
+                           "('{' and '[' outside strings), group levels of a regex or grammar. Counted on "
+                           "the text before anything parses it; deeper is HTTP 400 naming this setting "
+                           "(parsing and compiling grow fast with depth: a schema nested 900 deep took "
+                           f"35 s). At most {MAX_DEPTH_CEILING}.")
+
+    def limits(self) -> StructuredLimits:
+        return StructuredLimits(compile_timeout_s=self.compile_timeout_s, max_depth=self.max_depth)
+
+
 class SLOSettings(_Settings):
     ttft_ms: float = Field(2000.0, gt=0, description="Target time to first token, in ms (drives the "
                            "prefill pool's scaling and local-prefill fallback).")
@@ -482,6 +503,8 @@ class ClusterConfig(_Settings):
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Shared cluster state.")
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster to run on.")
     slo: SLOSettings = Field(default_factory=SLOSettings, description="Latency targets.")
+    structured: StructuredSettings = Field(default_factory=StructuredSettings, description="Bounds on "
+                                           "structured outputs' grammars, for both pools' engines and the router.")
     planner: PlannerSettings = Field(default_factory=PlannerSettings, description="Autoscaling.")
     control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings,
                                                 description="Where the planner, pool manager and reaper run.")
@@ -508,7 +531,8 @@ class ClusterConfig(_Settings):
         sequences decode is chunked under that budget. The colocated baseline
         (``disaggregation.mode: never``) batches prompts like vLLM, up to max_num_batched_tokens."""
         mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
-        engine = self.pool(role).engine_config(self.model, mode)
+        engine = dataclasses.replace(self.pool(role).engine_config(self.model, mode),
+                                     structured=self.structured.limits())
         if role == "decode" and self.router.disaggregation.mode != "never":
             engine = dataclasses.replace(engine, itl_target_ms=self.slo.itl_ms)
         return engine

@@ -187,7 +187,8 @@ class RouterService:
         observers = [self.metrics, self.manager.traffic] + ([_RequestLogWriter(self.request_log, self.redis_guard)]
                                                             if self.request_log is not None else [])
         self.serving = Serving(self.backend, observers=observers, admission=admission,
-                               limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit))
+                               limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit,
+                                                    structured=cfg.structured.limits()))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router

@@ -45,6 +45,27 @@ class SchedulerConfig:
             )
 
 
+# The most the ``structured.max_depth`` setting may allow: xgrammar's schema parse grows with the
+# cube of the depth (a 256-deep array schema: 0.8 s), and Python's json nests ~1,000 at most.
+MAX_DEPTH_CEILING = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredLimits:
+    """Bounds on a request's grammar (``structured`` in the cluster config): a spec nested deeper
+    than ``max_depth`` is refused before it is parsed, and one whose compile takes longer than
+    ``compile_timeout_s`` is refused when that time is up (``engine/grammar_process.py``)."""
+
+    compile_timeout_s: float = 5.0
+    max_depth: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {self.max_depth}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: str
@@ -77,6 +98,8 @@ class EngineConfig:
     # Run one full prefill step and one full decode step on scratch blocks at start (see
     # ModelRunner.warm_up), so the first requests do not pay for planning those shapes.
     warm_up: bool = False
+    # Structured outputs: the grammar compile budget and the spec's nesting bound.
+    structured: StructuredLimits = StructuredLimits()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -31,6 +31,14 @@ class SamplingError(InvalidRequestError):
     code = "sampling_failed"
 
 
+class GrammarError(InvalidRequestError):
+    """This request's structured output could not be made into a grammar: malformed, or over a
+    ``structured`` limit (its compile ran past ``structured.compile_timeout_s``). Reported by the
+    engine after the request was queued (grammars compile off the step loop); a 400, not retried."""
+
+    code = "grammar_refused"
+
+
 class EngineStepError(PdserveError):
     """A step failed for the whole batch (e.g. the forward pass raised); every request in it
     ended with this error. One that fails the same way on a second worker is not retried again."""
@@ -40,7 +48,8 @@ class EngineStepError(PdserveError):
 
 # Codes of errors that belong to the request, not to the worker that ran it. Workers report a
 # request's failure as ``(error message, error_code)``; the router rebuilds the typed error here.
-_REQUEST_ERRORS: dict[str, type[InvalidRequestError]] = {SamplingError.code: SamplingError}
+_REQUEST_ERRORS: dict[str, type[InvalidRequestError]] = {SamplingError.code: SamplingError,
+                                                          GrammarError.code: GrammarError}
 
 
 def request_error(code: str | None, message: str) -> InvalidRequestError | None:

@@ -1,7 +1,9 @@
 """The engine: one step loop over scheduler, model runner and sampler.
 
 Life of a request in a colocated engine:
-1. ``add_request`` validates it and queues a ``Sequence`` (WAITING).
+1. ``add_request`` validates it and queues a ``Sequence`` (WAITING). One with a structured output
+   whose grammar is not compiled yet waits outside the scheduler, holding no batch slot, until
+   its grammar is ready (``engine/grammar_waits.py``); the step loop runs on meanwhile.
 2. ``step`` schedules it: its prompt is prefilled chunk by chunk, reusing cached prefix blocks.
 3. The step that computes the last prompt token samples the first output token (TTFT).
 4. Each later step decodes one token for it, batched with every other running sequence.
@@ -25,7 +27,8 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, EngineMode, SchedulerConfig
-from pdserve.engine.errors import EngineStepError, InvalidRequestError, OutOfBlocksError, SamplingError
+from pdserve.engine.errors import EngineStepError, GrammarError, InvalidRequestError, OutOfBlocksError, SamplingError
+from pdserve.engine.grammar_waits import GrammarWaits
 from pdserve.engine.model_runner import ForwardItem, ModelRunner, StepInterrupted
 from pdserve.engine.omp_pool import on_fresh_thread
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -37,6 +40,8 @@ from pdserve.engine.stopping import StopChecker
 from pdserve.engine.structured import GrammarBook
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.002   # an engine with only compiling grammars to wait for sleeps this long per step
 
 
 @dataclass(slots=True)
@@ -166,7 +171,9 @@ class LLMEngine:
         token_limit = min(self.max_model_len, self.runner.num_blocks * config.block_size)
         self.stopper = StopChecker(config.model_dir, self.spec.eos_token_ids, token_limit,
                                    emit_text=config.detokenize)
-        self.grammars = GrammarBook(self.stopper.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
+        self.grammars = GrammarBook(self.stopper.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids),
+                                    config.structured)
+        self._grammar_waits = GrammarWaits()          # requests whose grammar still compiles
         self.mode = config.mode
         self._held: dict[str, Sequence] = {}          # prefill-only: finished, blocks kept for transfer
         self._pending: list[StepOutput] = []          # outputs produced outside step() (aborts, instant stops)
@@ -195,8 +202,11 @@ class LLMEngine:
         seq.prefill_only = self.mode is EngineMode.PREFILL
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        self.stopper.start(seq)
-        self.scheduler.add(seq)
+
+        def admit() -> None:
+            self.stopper.start(seq)
+            self.scheduler.add(seq)
+        self._admit_when_compiled(seq, admit)
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -205,13 +215,47 @@ class LLMEngine:
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        priority=priority, eos_token_ids=frozenset(self.spec.eos_token_ids))
         if params.structured is not None:
-            seq.grammar = self.grammars.grammar(params.structured, params.prior_output)
+            self.grammars.check(params.structured)   # limits (cheap) refused at once
+            compiled = self.grammars.compiled(params.structured)
+            if compiled.done():   # cached (a cached refusal raises here)
+                seq.grammar = self.grammars.matcher(params.structured, compiled, params.prior_output)
         return seq
+
+    def _admit_when_compiled(self, seq: Sequence, admit: Callable[[], None]) -> None:
+        """``admit`` now, or once its grammar has compiled (``engine/grammar_waits.py``)."""
+        if seq.params.structured is None or seq.grammar is not None:
+            admit()
+        else:
+            self._grammar_waits.park(seq, self.grammars.compiled(seq.params.structured), admit)
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Admit the parked requests whose grammar is ready; end those whose compile failed."""
+        outputs = []
+        for parked in self._grammar_waits.ready():
+            seq, structured = parked.seq, parked.seq.params.structured
+            try:
+                seq.grammar = self.grammars.matcher(structured, parked.compiled, seq.params.prior_output)
+                parked.admit()
+            except Exception as exc:
+                outputs.append(self._end_parked(seq, FinishReason.ERROR, exc))
+        return outputs
+
+    def _end_parked(self, seq: Sequence, reason: FinishReason, exc: Exception | None = None) -> StepOutput:
+        self.block_manager.free(seq)   # the transferred KV of a decode-side request
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        if exc is not None:
+            seq.error = str(exc)
+        out = self._final_output(seq, [])
+        if isinstance(exc, InvalidRequestError):
+            out.error_code = GrammarError.code
+        return out
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        if self.scheduler.get(request_id) is not None or request_id in self._held:
+        if self.scheduler.get(request_id) is not None or request_id in self._held or request_id in self._grammar_waits:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -244,6 +288,10 @@ class LLMEngine:
         if held is not None:
             self.block_manager.free(held)
             return True
+        parked = self._grammar_waits.pop(request_id)
+        if parked is not None:
+            self._pending.append(self._end_parked(parked.seq, FinishReason.ABORT))
+            return True
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
@@ -255,7 +303,8 @@ class LLMEngine:
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every request in flight with an error (after an unrecoverable step failure)."""
         outputs, self._pending = self._pending, []
-        for seq in self.scheduler.running() + self.scheduler.waiting():
+        parked = [p.seq for p in self._grammar_waits.take_all()]
+        for seq in self.scheduler.running() + self.scheduler.waiting() + parked:
             self.scheduler.finish(seq, FinishReason.ERROR)
             self.stopper.discard(seq.request_id)
             seq.error = message
@@ -296,23 +345,32 @@ class LLMEngine:
         seq.arrival_time = arrival_time if arrival_time is not None else now
         seq.first_scheduled_time = seq.arrival_time
         seq.first_token_time = first_token_time if first_token_time is not None else now
-        if seq.grammar is not None and not seq.grammar.accept(first_token_id):
-            raise InvalidRequestError(f"request {request_id}: its first token {first_token_id} does not follow "
-                                      f"its {params.structured.kind}")
-        self.stopper.start(seq)
+
+        def follows() -> None:
+            if seq.grammar is not None and not seq.grammar.accept(first_token_id):
+                raise InvalidRequestError(f"request {request_id}: its first token {first_token_id} does not follow "
+                                          f"its {params.structured.kind}")
+        follows()   # a cached grammar: refused before the blocks become the request's
+        parked = seq.grammar is None
+
+        def admit() -> None:
+            if parked:   # its grammar came later
+                follows()
+            self.stopper.start(seq)
+            seq.status = SequenceStatus.RUNNING
+            reason = self.stopper.check(seq)
+            if reason is not None:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+                seq.finished_time = time.monotonic()
+                self._pending.append(self._final_output(seq, []))
+                return
+            self.scheduler.add_prefilled(seq)
         self.block_manager.adopt(seq, block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.output_token_ids.append(first_token_id)
-        seq.status = SequenceStatus.RUNNING
-        reason = self.stopper.check(seq)
-        if reason is not None:
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = reason
-            seq.finished_time = now
-            self._pending.append(self._final_output(seq, []))
-            return seq
-        self.scheduler.add_prefilled(seq)
+        self._admit_when_compiled(seq, admit)
         return seq
 
     # ------------------------------------------------------------ prefill side
@@ -327,7 +385,7 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._grammar_waits)
 
     def _layer_check(self, batch_only: bool) -> Callable[[], bool] | None:
         """What the runner asks between two layers: run ``between_layers``, and (in a step of
@@ -344,9 +402,13 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one iteration: schedule, forward, sample, check stops."""
         outputs, self._pending = self._pending, []
+        if self._grammar_waits:
+            outputs += self._admit_compiled()
         budget = self.itl_budget.tokens() if self.itl_budget is not None else None
         sched = self.scheduler.schedule(prefill_budget=budget)
         if sched.is_empty:
+            if not outputs:   # only grammars to wait for: sleep on them rather than spin
+                self._grammar_waits.wait(GRAMMAR_POLL_S)
             return outputs
         t0 = time.monotonic()
         items = [
@@ -456,7 +518,7 @@ class LLMEngine:
             num_batch_seqs=batch_seqs,
             batch_kv_usage=min(bm.usage, batch_blocks / max(1, bm.num_blocks)),
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._grammar_waits),
             num_held=len(self._held),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,

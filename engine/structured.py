@@ -7,10 +7,18 @@ GBNF and vLLM's ``guided_grammar``) or ``structural_tag`` (free text in which ea
 a tagged JSON value: tool calls with ``tool_choice`` auto, ``router/tools.py``). The grammar engine is xgrammar (chosen by measured
 per-token cost, ``bench/grammar_libs.py`` and ``docs/benchmarks.md``).
 
+* ``check_limits`` bounds a spec before anything parses it: its size (``MAX_SPEC_CHARS``) and its
+  nesting (``StructuredLimits.max_depth``, read by a scanner, not a parser: a schema nested 900 deep
+  took xgrammar 35 s to parse).
 * ``check`` parses the grammar without a tokenizer, at the door: a malformed schema, regex or
   grammar is the client's 400, never a worker's error.
-* ``GrammarBook`` lives in an engine: it compiles each grammar once for the model's vocabulary
-  (xgrammar caches compiled grammars by their text) and makes a matcher per request.
+* ``GrammarBook`` lives in an engine: it compiles each grammar once for the model's vocabulary,
+  off the step loop, and makes a matcher per request. A compile cannot be cancelled, so each is
+  first tried in a small niced process that is killed when ``compile_timeout_s`` is up
+  (``engine/grammar_process.py``); only a grammar that compiled there in time is compiled again
+  in the engine's process (a compiled grammar cannot be passed back: xgrammar's serialized form
+  of a 1,200-property schema is 0.5 GB and takes longer to write than to compile). Results,
+  refusals included, are cached by the spec's text.
 * The sampler asks each constrained row's matcher for its allowed tokens (a bitmask) and masks
   the rest to -inf before greedy or sampled choice; the engine then advances the matcher by
   the chosen token. Rows without a grammar pay nothing.
@@ -23,12 +31,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
+from pdserve.engine.errors import GrammarError, InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +51,7 @@ logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 64 * 1024   # a schema, regex or grammar larger than this is refused
 MAX_CHOICES = 256
+CACHE_ENTRIES = 256   # compiled grammars (and refusals) an engine keeps, least recently used dropped
 
 
 def _xgr():
@@ -120,8 +134,59 @@ def _grammar(s: StructuredOutput) -> Any:
         raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
 
 
-def check(s: StructuredOutput) -> None:
-    """Refuse a malformed schema, regex or grammar before the request is accepted."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_BRACKETS = re.compile(r"[\[\]{}]")
+# Escapes and character classes of a regex (and quoted strings of EBNF) hold no groups.
+_REGEX_INERT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]", re.S)
+_EBNF_INERT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\"(?:\\.|[^\"\\])*\"|'(?:\\.|[^'\\])*'", re.S)
+_PARENS = re.compile(r"[()]")
+
+
+def _depth(tokens: list[str], opening: str, limit: int) -> int:
+    """The deepest nesting of ``tokens`` (each an opening or a closing bracket), up to ``limit + 1``."""
+    depth = best = 0
+    for tok in tokens:
+        if tok in opening:
+            depth += 1
+            if depth > best:
+                best = depth
+                if best > limit:
+                    break
+        else:
+            depth -= 1
+    return best
+
+
+def json_depth(text: str, limit: int = MAX_DEPTH_CEILING) -> int:
+    """How deep JSON text nests (``[`` and ``{`` outside strings), without parsing it; stops
+    counting past ``limit``. Malformed text gets a number too: the parser refuses it later."""
+    return _depth(_JSON_BRACKETS.findall(_JSON_STRING.sub("", text)), "[{", limit)
+
+
+def group_depth(text: str, *, ebnf: bool = False, limit: int = MAX_DEPTH_CEILING) -> int:
+    """How deep a regex's (or an EBNF grammar's) parenthesised groups nest, without parsing it."""
+    inert = _EBNF_INERT if ebnf else _REGEX_INERT
+    return _depth(_PARENS.findall(inert.sub("", text)), "(", limit)
+
+
+def check_limits(s: StructuredOutput, limits: StructuredLimits) -> None:
+    """Refuse a spec nested deeper than ``limits.max_depth``; cheap (no parse), so it runs before
+    anything parses or compiles the spec."""
+    if s.kind in ("json_schema", "structural_tag"):
+        depth, what = json_depth(s.spec, limits.max_depth), "levels of JSON"
+    elif s.kind in ("regex", "grammar"):
+        depth, what = group_depth(s.spec, ebnf=s.kind == "grammar", limit=limits.max_depth), "levels of groups"
+    else:
+        return
+    if depth > limits.max_depth:
+        raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} nests more than {limits.max_depth} {what}, "
+                                  f"the most this server compiles (structured.max_depth)")
+
+
+def check(s: StructuredOutput, limits: StructuredLimits | None = None) -> None:
+    """Refuse a malformed schema, regex or grammar before the request is accepted (``limits``
+    first: default ``StructuredLimits()``)."""
+    check_limits(s, limits or StructuredLimits())
     if s.kind == "json_schema":
         try:
             json.loads(s.spec)
@@ -184,50 +249,142 @@ class RequestGrammar:
 
 
 class GrammarBook:
-    """One engine's grammars: the model's vocabulary as xgrammar sees it (built on first use,
-    ~0.15 s for 49k tokens) and each grammar compiled once."""
+    """One engine's grammars: each compiled once for the model's vocabulary on the book's own
+    thread (niced, never the engine's), after the compile process proved that it finishes within
+    ``limits.compile_timeout_s``; the vocabulary as xgrammar sees it is built there on first use.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    ``compiled`` answers at once with a ``Future``: the engine parks the request until it is done
+    (``engine/grammar_waits.py``) and then makes the request's matcher with ``matcher``."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 limits: StructuredLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._compiler = None
+        self.limits = limits or StructuredLimits()
         self._control_ban: torch.Tensor | None = None
         self._decoded_vocab: list[bytes] = []
         self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._jobs: queue.SimpleQueue[tuple[StructuredOutput, Future] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.process = None    # the GrammarProcess (its counters), made on the book's thread
+        self.compiles = 0      # grammars compiled (cache misses that reached the compile process)
 
-    def _compiler_once(self):
+    def check(self, s: StructuredOutput) -> None:
+        """The cheap limits (``check_limits``), on the caller's thread."""
+        check_limits(s, self.limits)
+
+    def compiled(self, s: StructuredOutput) -> Future:
+        """``s`` compiled for this vocabulary: a done future when cached (a refusal is cached
+        too), else one that the book's thread completes with the grammar or a ``GrammarError``."""
         with self._lock:
-            if self._compiler is None:
-                xgr = _xgr()
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                          stop_token_ids=self._eos or None)
-                self._decoded_vocab = list(info.decoded_vocab)
-                self._control_ban = _control_byte_tokens(self._decoded_vocab, self._vocab_size, set(self._eos))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-            return self._compiler
+            fut = self._cache.get(s.key)
+            if fut is not None:
+                self._cache.move_to_end(s.key)
+                return fut
+            fut = Future()
+            self._cache[s.key] = fut
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="grammar-compiler", daemon=True)
+                self._thread.start()
+            self._jobs.put((s, fut))
+            return fut
 
-    def grammar(self, s: StructuredOutput, prior: tuple[int, ...] = ()) -> RequestGrammar:
-        """A fresh place in ``s`` that has consumed ``prior`` (an earlier attempt's output)."""
+    def matcher(self, s: StructuredOutput, compiled: Future, prior: tuple[int, ...] = ()) -> RequestGrammar:
+        """A fresh place in ``s`` (whose ``compiled`` future is done) that has consumed ``prior``
+        (an earlier attempt's output); raises the compile's ``GrammarError``."""
         xgr = _xgr()
-        compiler = self._compiler_once()
-        try:
-            compiled = compiler.compile_grammar(_grammar(s))
-        except InvalidRequestError:
-            raise
-        except Exception as exc:
-            raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
         tags = None
+        grammar = compiled.result(timeout=0)
         if s.kind == "structural_tag":
             spec = json.loads(s.spec)
             tags = TagPosition(spec["triggers"], [t["end"] for t in spec["tags"]], self._decoded_vocab)
-        g = RequestGrammar(s.kind, xgr.GrammarMatcher(compiled),
+        g = RequestGrammar(s.kind, xgr.GrammarMatcher(grammar),
                            self._control_ban if s.kind in ("json_schema", "json_object", "structural_tag") else None,
                            tags)
         for tok in prior:
             if not g.accept(tok):
-                raise InvalidRequestError(f"token {tok} already emitted does not follow the {s.kind}")
+                raise GrammarError(f"token {tok} already emitted does not follow the {s.kind}")
         return g
+
+    def grammar(self, s: StructuredOutput, prior: tuple[int, ...] = ()) -> RequestGrammar:
+        """``matcher`` after waiting for the compile here (benchmarks and tests, never the engine)."""
+        self.check(s)
+        fut = self.compiled(s)
+        fut.exception()   # waits
+        return self.matcher(s, fut, prior)
+
+    def close(self) -> None:
+        """Stop the book's thread and its compile process (a later ``compiled`` starts them again)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout=10)
+
+    # ------------------------------------------------------------ book thread
+    def _run(self) -> None:
+        _lower_thread_priority()
+        try:
+            compiler, process = self._start()
+            self.process = process
+        except Exception as exc:  # the engine's own failure (no xgrammar, no tokenizer): not the requests'
+            logger.exception("structured outputs cannot start")
+            compiler, process, failure = None, None, exc
+        try:
+            while (job := self._jobs.get()) is not None:
+                s, fut = job
+                if compiler is None:
+                    self._forget(s, fut)
+                    fut.set_exception(RuntimeError(f"structured outputs are unavailable here: {failure}"))
+                    continue
+                self._compile(compiler, process, s, fut)
+        finally:
+            if process is not None:
+                process.close()
+
+    def _start(self) -> tuple[Any, Any]:
+        from pdserve.engine.grammar_process import GrammarProcess
+
+        xgr = _xgr()
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                  stop_token_ids=self._eos or None)
+        self._decoded_vocab = list(info.decoded_vocab)
+        self._control_ban = _control_byte_tokens(self._decoded_vocab, self._vocab_size, set(self._eos))
+        process = GrammarProcess(info.serialize_json(), self.limits.compile_timeout_s)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False), process
+
+    def _compile(self, compiler: Any, process: Any, s: StructuredOutput, fut: Future) -> None:
+        self.compiles += 1
+        try:
+            process.compile(s.kind, s.spec)            # the budget, enforced: killed when it is up
+            grammar = compiler.compile_grammar(_grammar(s))   # proven to finish within it
+        except InvalidRequestError as exc:
+            fut.set_exception(exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
+        except Exception as exc:
+            logger.exception("compiling a %s failed", s.kind)
+            self._forget(s, fut)
+            fut.set_exception(RuntimeError(f"the {s.kind} could not be compiled here: {_reason(exc)}"))
+        else:
+            fut.set_result(grammar)
+
+    def _forget(self, s: StructuredOutput, fut: Future) -> None:
+        """Drop a failure that is not the spec's fault from the cache: the next request retries."""
+        with self._lock:
+            if self._cache.get(s.key) is fut:
+                del self._cache[s.key]
+
+
+def _lower_thread_priority() -> None:
+    """Nice the calling thread (Linux schedules threads one by one), so that a compile takes the
+    cores only when the engine's step loop leaves them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: compiles at normal priority
+        pass
 
 
 def _control_byte_tokens(decoded_vocab: list[bytes], vocab_size: int, keep: set[int]) -> torch.Tensor:

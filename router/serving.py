@@ -29,9 +29,11 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.engine.errors import DeadlineExceededError, InvalidRequestError, PdserveError
+from pdserve.engine.config import StructuredLimits
+from pdserve.engine.errors import DeadlineExceededError, GrammarError, InvalidRequestError, PdserveError
 from pdserve.engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from pdserve.engine.sequence import Priority
+from pdserve.engine.structured import StructuredOutput, check as check_structured
 from pdserve.router.admission import Admission
 from pdserve.engine.contract import PromptLogprobs, RequestPhase, RequestRecord
 from pdserve.router.backend import Backend, Finished, GenerateRequest, TokenDelta
@@ -62,6 +64,7 @@ class ServingLimits:
 
     request_timeout_s: float | None = None  # None: no default deadline
     max_tokens_limit: int | None = None     # None: only the context length bounds max_tokens
+    structured: StructuredLimits = StructuredLimits()   # the `structured` section: a grammar's check
 
     def __post_init__(self) -> None:
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
@@ -199,9 +202,26 @@ class Serving:
         if parsed.bad_words:
             params = replace(params, bad_words=await asyncio.to_thread(self._bad_word_ids, parsed.bad_words))
         check_token_fields(params, self.info.vocab_size)
+        if params.structured is not None:
+            await self._check_grammar(params.structured, parsed.structured_field or "response_format")
         request_id = uuid.uuid4().hex
         logger.debug("request %s is the client's %r", request_id, client_id)
         return PreparedRequest(request_id, ids, params, parsed.priority, client_id)
+
+    async def _check_grammar(self, s: StructuredOutput, field: str) -> None:
+        """Parse the grammar (without a tokenizer: the engines compile it) on a thread, so the event
+        loop runs on (xgrammar's parse releases the GIL); a parse past ``compile_timeout_s`` is
+        refused, and its thread ends on its own (the depth limit bounds it)."""
+        limits = self.limits.structured
+        prefix = "a tool's parameters schema does not compile: " if field == "tools" else ""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(check_structured, s, limits), limits.compile_timeout_s)
+        except TimeoutError:
+            raise InvalidParameterError(
+                f"{prefix}the {s.kind.replace('_', ' ')} did not parse within {limits.compile_timeout_s:g} s "
+                "(structured.compile_timeout_s); simplify it", param=field, code=GrammarError.code) from None
+        except InvalidRequestError as exc:
+            raise InvalidParameterError(prefix + str(exc), param=field) from None
 
     def stream(self, req: PreparedRequest, *, api: str, deadline: float | None = None,
                scope: str = "") -> RequestStream:

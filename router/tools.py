@@ -115,11 +115,12 @@ def parse_tools(body: dict) -> ToolRequest | None:
         raise _bad("tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or a named function")
     req = ToolRequest(tuple(checked), choice, parallel is not False)
     grammar = tool_grammar(req)
-    if grammar is not None:
-        from pdserve.engine.structured import check
+    if grammar is not None:   # depth only: Serving.prepare parses it, off the event loop
+        from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
+        from pdserve.engine.structured import check_limits
 
         try:
-            check(grammar)
+            check_limits(grammar, StructuredLimits(max_depth=MAX_DEPTH_CEILING))
         except InvalidRequestError as exc:
             raise _bad("tools", f"a tool's parameters schema does not compile: {exc}") from None
     return req

@@ -33,7 +33,8 @@ from pdserve.engine.sampling_params import (
 )
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import Priority
-from pdserve.engine.structured import StructuredOutput, check as check_structured, choice_spec
+from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
+from pdserve.engine.structured import MAX_SPEC_CHARS, StructuredOutput, check_limits, choice_spec, json_depth
 from pdserve.router.errors import InvalidParameterError
 
 MAX_BEAM_WIDTH = 10  # beams keep the top 2 * width logprobs of a step (at most MAX_LOGPROBS)
@@ -120,6 +121,9 @@ class ParsedRequest:
     return_token_ids: bool = False  # vLLM's: token ids (and the prompt's) in each choice
     beam_width: int = 0   # vLLM's use_beam_search: this many beams (n); 0: no beam search
     length_penalty: float = 1.0
+    # The field that set the grammar (errors name it): Serving.prepare parses the grammar, off the
+    # event loop and within structured.compile_timeout_s; parsing here only bounds its size and depth.
+    structured_field: str | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
@@ -424,6 +428,11 @@ def parse_structured(body: dict) -> StructuredOutput | None:
             s = StructuredOutput("json_schema", _json_text(js["schema"], "response_format"))
     elif name == "guided_json":
         if isinstance(value, str):
+            if len(value) > MAX_SPEC_CHARS:
+                raise _bad(name, f"'guided_json' may be at most {MAX_SPEC_CHARS} characters")
+            if json_depth(value) > MAX_DEPTH_CEILING:   # before json.loads, which would recurse that deep
+                raise _bad(name, f"'guided_json' nests more than {MAX_DEPTH_CEILING} levels of JSON, more than any "
+                                 "server compiles (structured.max_depth)")
             try:
                 value = json.loads(value)
             except ValueError:
@@ -441,10 +450,25 @@ def parse_structured(body: dict) -> StructuredOutput | None:
             raise _bad(name, f"'{name}' must be a non-empty string")
         s = _structured(name, _GUIDED[name], value)
     try:
-        check_structured(s)
+        check_limits(s, _CEILING)   # the configured limits and the parse: Serving.prepare
     except InvalidRequestError as exc:
         raise _bad(name, str(exc)) from None
     return s
+
+
+_CEILING = StructuredLimits(max_depth=MAX_DEPTH_CEILING)
+
+
+def structured_field(body: dict) -> str | None:
+    """The field of ``body`` that sets its structured output (``parse_structured`` checked that
+    there is at most one)."""
+    if body.get("structured_outputs") is not None:
+        return "structured_outputs"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") != "text":
+        return "response_format"
+    return next((name for name in _GUIDED if body.get(name) is not None), None)
+
 
 
 def _json_text(schema: dict, name: str) -> str:
@@ -571,6 +595,7 @@ def parse_completion_bodies(body: Any) -> list[ParsedRequest]:
     """Validate a ``/v1/completions`` body: one prompt (a string or a list of token ids) or a list
     of them, each answered by its own choices (``n`` each, in order)."""
     common = _common(body, chat=False)
+    common["structured_field"] = structured_field(body)
     if "prompt" not in body:
         raise _bad("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
     prompt = body["prompt"]
@@ -629,6 +654,7 @@ def _message(i: int, msg: Any) -> dict:
 def parse_chat_body(body: Any) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body."""
     common = _common(body, chat=True)
+    common["structured_field"] = structured_field(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
@@ -666,6 +692,7 @@ def parse_chat_body(body: Any) -> ParsedRequest:
         if common["sampling"].get("ignore_eos") or common["sampling"].get("min_tokens"):
             raise _bad("tool_choice", "tools cannot be combined with ignore_eos or min_tokens")
         common["sampling"]["structured"] = grammar
+        common["structured_field"] = "tools"
     return ParsedRequest(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools, **common)
 
 
@@ -743,6 +770,7 @@ def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids:
         raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
     return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          max_tokens=max_tokens, sampling=parse_sampling(fields, chat=False), priority=priority,
+                         structured_field=structured_field(fields),
                          n=n, best_of=best_of, bad_words=parse_bad_words(fields), echo=bool(fields.get("echo")))
 
 

@@ -37,6 +37,7 @@ from pdserve.router.backend import Finished, GenerateRequest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GEN = 24
+GRAMMAR_BUDGET_S = 2.0   # structured.compile_timeout_s of this cluster
 LONG = 1500  # max_tokens of requests that a test stops early
 # The lease tests: a generation that outlives several leases (3,000 tokens took ~3.6 s on a fast
 # 2-core host against the 3 s needed). A 0.5 s lease (renewed every 0.17 s) once expired in CI
@@ -53,9 +54,10 @@ STREAM_PROMPTS = [f"Stream {i} of the load test says" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, ray_session, redis_server):
-    # A transfer timeout other than the workers' own default, to see that it reaches them.
+    # A transfer timeout and a grammar budget other than the defaults, to see that they reach the workers.
     config = cluster_config(tiny_model, **{"decode.min_replicas": 2,
-                                           "router.disaggregation.kv_transfer_timeout_s": 45.0})
+                                           "router.disaggregation.kv_transfer_timeout_s": 45.0,
+                                           "structured.compile_timeout_s": GRAMMAR_BUDGET_S})
     h = ClusterHarness(config, redis_server.url)
     h.begin_start()  # the workers load while the references are computed
     try:
@@ -175,6 +177,49 @@ def test_structured_outputs_through_disaggregation_match_the_engine(cluster: Clu
     stream = client.completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=8, temperature=0,
                                        stream=True, extra_body={"guided_choice": ["north", "south", "east west"]})
     assert "".join(c.choices[0].text for c in stream) in ("north", "south", "east west")
+    cluster.assert_nothing_held()
+
+
+def test_hostile_grammars_are_400s_naming_the_limit_and_stall_no_one(cluster: ClusterHarness) -> None:
+    """guided_json text nested 2,500 deep (an HTTP 500 before), a schema deeper than
+    structured.max_depth, and 1,200 optional properties, whose compile on the prefill worker runs
+    past structured.compile_timeout_s: each a 400 naming its limit. Small requests sent while the
+    hostile one compiles on the same prefill worker finish at their normal pace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = cluster.openai()
+
+    def refused(guided_json) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=4,
+                                      extra_body={"guided_json": guided_json})
+        return info.value
+
+    err = refused("[" * 2500 + "]" * 2500)
+    assert err.status_code == 400 and err.param == "guided_json" and "structured.max_depth" in err.message
+    deep = json.loads('{"type":"array","items":' * 100 + '{"type":"string"}' + "}" * 100)
+    err = refused(deep)
+    assert err.status_code == 400 and "more than 64 levels of JSON" in err.message and "structured.max_depth" in err.message
+
+    def small() -> float:
+        t0 = time.monotonic()
+        client.completions.create(model=cluster.model_name, prompt=SHORT_PROMPT, max_tokens=4, temperature=0)
+        return time.monotonic() - t0
+
+    normal = [small() for _ in range(3)]
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1200)}}
+    with ThreadPoolExecutor(1) as pool:
+        hostile = pool.submit(refused, wide)
+        time.sleep(0.5)
+        beside = []
+        while not hostile.done():
+            beside.append(small())
+        err = hostile.result()
+    print(f"\nsmall requests: {max(normal) * 1000:.0f} ms alone, at most {max(beside) * 1000:.0f} ms beside the "
+          f"hostile grammar ({len(beside)} of them)")
+    assert err.status_code == 400 and err.code == "grammar_refused"
+    assert f"within {GRAMMAR_BUDGET_S:g} s (structured.compile_timeout_s)" in err.message
+    assert len(beside) >= 2 and max(beside) < max(1.0, 4 * max(normal))
     cluster.assert_nothing_held()
 
 
