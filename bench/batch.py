@@ -134,7 +134,7 @@ class Bench:
             await asyncio.sleep(0.1)
 
     async def run(self) -> dict:
-        from pdserve.router.batch_api import BatchRunner
+        from pdserve.router.batch_runner import BatchRunner
 
         runner = BatchRunner(self.serving, self.store, poll_s=0.05)
         task = asyncio.get_running_loop().create_task(runner.run())

@@ -341,6 +341,10 @@ class RouterSettings(_Settings):
                           "replicas - 1 more, each a Ray actor with its own HTTP and gRPC ports (http_port + i "
                           "and grpc_port + i, or any free ports when those are 0). More than one needs "
                           "control_plane.election.")
+    batch_lease_s: float = Field(15.0, gt=0, description="Lease on a Batch API item while a router's "
+                                 "runner runs it (renewed every third of it): the other routers' runners "
+                                 "skip a leased item, and take it over once the lease expires (its router "
+                                 "died). Keep it above the longest stall of a router's event loop.")
 
     _resolve_paths = field_validator("tls_cert_file", "tls_key_file")(_absolute)
 

@@ -34,7 +34,7 @@ from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeyAuth, grpc_server_credentials, server_ssl_context
 from pdserve.router.backend import ModelInfo
-from pdserve.router.batch_api import BatchRunner
+from pdserve.router.batch_runner import BatchRunner
 from pdserve.router.disagg_backend import DisaggBackend
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
@@ -195,7 +195,8 @@ class RouterService:
         tls = bool(r.tls_cert_file and r.tls_key_file)
         if self.redis_client is not None:  # the Batch API keeps its files, batches and results in Redis
             self.batch_store = RedisBatchStore(self.redis_client, namespace=self.redis_namespace)
-            self.batch_runner = BatchRunner(self.serving, self.batch_store)
+            self.batch_runner = BatchRunner(self.serving, self.batch_store, lease_s=r.batch_lease_s,
+                                            holder=self.router_id)
             self.serving.metrics.add_gauge("batch_items_running", lambda: self.batch_runner.running,
                                            "Batch API items running now.")
             self.serving.metrics.add_gauge("batch_items_pending", lambda: sum(

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.engine.errors import PdserveError
 from pdserve.router import errors
@@ -32,7 +33,7 @@ from pdserve.router.openai_format import ResponseBuilder, usage_totals
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
-from pdserve.router import batch_api
+from pdserve.router import batch_api, batch_input
 from pdserve.router.batch_api import BatchStore
 from pdserve.router.beam_search import beam_search
 from pdserve.router.choices import ChoiceRequest, fork, run_choices
@@ -453,117 +454,170 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------- Batch API
-def _store(request: web.Request) -> BatchStore:
-    _check_auth(request)
+# Every file and batch belongs to the API key that made it (``router/auth.py``'s owner id): another
+# owner's is answered 404, as an unknown id, and lists hold only the caller's own. Ids are checked
+# against the shape this server gives them before they reach a Redis key.
+def _store(request: web.Request) -> tuple[BatchStore, str]:
+    """The Batch API's store and the caller's owner id."""
+    owner = request.app[_AUTH].check(request.headers.get("Authorization"))
     store = request.app[_BATCHES]
     if store is None:
         raise errors.RouteNotFoundError(f"{request.path[:64]}: the Batch API needs the cluster's Redis "
                                         "(pdserve up); this server runs without it")
-    return store
+    return store, owner
 
 
 async def _io(fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
-async def upload_file(request: web.Request) -> web.Response:
-    """``POST /v1/files`` (multipart: ``purpose`` and ``file``), as OpenAI's."""
-    store = _store(request)
-    if not request.content_type.startswith("multipart/"):
-        raise errors.UnsupportedMediaTypeError("upload the file as multipart/form-data with 'purpose' and 'file'")
-    purpose, content, filename = None, None, "upload.jsonl"
+async def _own_file(store: BatchStore, owner: str, file_id: str) -> dict:
+    meta = await _io(store.file, file_id) if batch_input.is_file_id(file_id) else None
+    if not batch_api.owned_by(meta, owner):
+        raise errors.ResourceNotFoundError(f"no file '{file_id[:64]}'")
+    return meta
+
+
+async def _own_batch(store: BatchStore, owner: str, batch_id: str) -> dict:
+    b = await _io(store.batch, batch_id) if batch_input.is_batch_id(batch_id) else None
+    if not batch_api.owned_by(b, owner):
+        raise errors.ResourceNotFoundError(f"no batch '{batch_id[:64]}'")
+    return b
+
+
+async def _read_upload(request: web.Request) -> tuple[str | None, list[bytes] | None, str]:
+    """The multipart form's (purpose, file content in chunks, filename); a malformed form is 400.
+    The chunks are joined off the event loop (one 64 MiB copy is a stall of its own)."""
+    purpose, content, filename = None, None, None
     reader = await request.multipart()
     async for part in reader:
         if part.name == "purpose":
             purpose = (await part.read(decode=True)).decode("utf-8", "replace")[:64]
         elif part.name == "file":
-            filename = part.filename or filename
-            buf = bytearray()
+            filename = batch_input.check_filename(part.filename)
+            content, size = [], 0
             while chunk := await part.read_chunk(1 << 20):
-                buf += chunk
-                if len(buf) > batch_api.MAX_FILE_BYTES:
-                    raise errors.RequestTooLargeError(f"the file is larger than {batch_api.MAX_FILE_BYTES} bytes")
-            content = bytes(buf)
+                content.append(chunk)
+                size += len(chunk)
+                if size > batch_input.MAX_FILE_BYTES:
+                    raise errors.RequestTooLargeError(f"the file is larger than {batch_input.MAX_FILE_BYTES} bytes")
         else:
             raise errors.InvalidParameterError(f"unknown form field '{str(part.name)[:64]}'; send 'purpose' and 'file'",
                                                param=str(part.name)[:64])
+    return purpose, content, filename or "upload.jsonl"
+
+
+async def upload_file(request: web.Request) -> web.Response:
+    """``POST /v1/files`` (multipart: ``purpose`` and ``file``), as OpenAI's."""
+    store, owner = _store(request)
+    if not request.content_type.startswith("multipart/"):
+        raise errors.UnsupportedMediaTypeError("upload the file as multipart/form-data with 'purpose' and 'file'")
+    try:
+        purpose, content, filename = await _read_upload(request)
+    except HttpProcessingError as exc:   # e.g. a part header (its filename) past aiohttp's line limit
+        raise errors.InvalidParameterError(
+            f"the multipart form is malformed: {str(exc.message)[:120]} (a part's header line, its filename "
+            f"included, may be at most 8190 bytes; a filename at most {batch_input.MAX_FILENAME_CHARS} "
+            "characters)", param="file") from None
     if content is None:
         raise errors.InvalidParameterError("the form has no 'file' part", param="file")
-    batch_api.check_upload(purpose, content)
-    meta = batch_api.new_file(content, filename, "batch")
+    content = await asyncio.to_thread(b"".join, content)
+    batch_input.check_upload(purpose, content)
+    await asyncio.to_thread(batch_input.check_file, content)
+    meta = batch_api.new_file(content, filename, "batch", owner)
     await _io(store.put_file, meta, content)
     return web.json_response(batch_api.file_object(meta))
 
 
 async def get_file(request: web.Request) -> web.Response:
-    store = _store(request)
-    meta = await _io(store.file, request.match_info["file_id"])
-    if meta is None:
-        raise errors.ResourceNotFoundError(f"no file '{request.match_info['file_id'][:64]}'")
-    return web.json_response(batch_api.file_object(meta))
+    store, owner = _store(request)
+    return web.json_response(batch_api.file_object(await _own_file(store, owner, request.match_info["file_id"])))
 
 
-async def get_file_content(request: web.Request) -> web.Response:
-    store = _store(request)
-    content = await _io(store.file_content, request.match_info["file_id"])
-    if content is None:
-        raise errors.ResourceNotFoundError(f"no file '{request.match_info['file_id'][:64]}'")
-    return web.Response(body=content, content_type="application/octet-stream")
+async def get_file_content(request: web.Request) -> web.StreamResponse:
+    """The file's bytes, sent slice by slice as the store reads them (never the whole file at once)."""
+    store, owner = _store(request)
+    fid = request.match_info["file_id"]
+    meta = await _own_file(store, owner, fid)
+    chunks = await _io(store.file_chunks, fid)
+    if chunks is None:
+        raise errors.ResourceNotFoundError(f"no file '{fid[:64]}'")
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = meta["bytes"]
+    first = await _io(next, chunks, b"")    # a store that fails before the first byte is a clean 503
+    await resp.prepare(request)
+    try:
+        chunk = first
+        while chunk:
+            await resp.write(chunk)
+            chunk = await _io(next, chunks, b"")
+    except PdserveError as exc:   # the store failed midway: the client sees a short body (Content-Length)
+        logger.warning("GET %s: cut short: %s", request.path[:100], exc)
+        request.protocol.force_close()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+def _check_stored_file(store: BatchStore, file_id: str, endpoint: str) -> tuple[list[str], list[dict]]:
+    chunks = store.file_chunks(file_id)
+    if chunks is None:
+        raise errors.ResourceNotFoundError(f"no file '{file_id[:64]}'")
+    return batch_input.check_lines(chunks, endpoint)
 
 
 async def create_batch(request: web.Request) -> web.Response:
-    store = _store(request)
+    store, owner = _store(request)
     fid, endpoint, window, metadata = batch_api.check_create(await _read_json(request))
-    meta = await _io(store.file, fid)
-    if meta is None:
-        raise errors.ResourceNotFoundError(f"no file '{fid[:64]}'")
+    meta = await _own_file(store, owner, fid)
     if meta["purpose"] != "batch":
         raise errors.InvalidParameterError(f"file '{fid[:64]}' is a {meta['purpose']} file, not a batch input",
                                            param="input_file_id")
-    items, problems = batch_api.check_lines(await _io(store.file_content, fid), endpoint)
-    batch = batch_api.new_batch(fid, endpoint, window, metadata, len(items) if not problems else 0)
+    # Off the event loop and read in slices: a 64 MiB file parsed on the loop, or read from Redis
+    # in one piece, would stall every stream.
+    items, problems = await asyncio.to_thread(_check_stored_file, store, fid, endpoint)
+    batch = batch_api.new_batch(fid, endpoint, window, metadata, len(items) if not problems else 0, owner)
     if problems:  # as OpenAI: the batch fails validation as a whole, each bad line named
         batch.update(status="failed", failed_at=batch["created_at"], in_progress_at=None,
                      errors={"object": "list", "data": problems[:1000]})
         items = []
     await _io(store.put_batch, batch, items)
-    return web.json_response(await _io(store.batch, batch["id"]))
+    return web.json_response(batch_api.batch_object(await _io(store.batch, batch["id"])))
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    store = _store(request)
-    b = await _io(store.batch, request.match_info["batch_id"])
-    if b is None:
-        raise errors.ResourceNotFoundError(f"no batch '{request.match_info['batch_id'][:64]}'")
-    return web.json_response(b)
+    store, owner = _store(request)
+    return web.json_response(batch_api.batch_object(await _own_batch(store, owner, request.match_info["batch_id"])))
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    store = _store(request)
+    store, owner = _store(request)
     try:
         limit = int(request.query.get("limit", "20"))
     except ValueError:
         raise errors.InvalidParameterError("'limit' must be an integer from 1 to 100", param="limit") from None
     if not 1 <= limit <= 100:
         raise errors.InvalidParameterError("'limit' must be an integer from 1 to 100", param="limit")
-    page = await _io(store.batches, limit + 1, request.query.get("after"))
-    data = page[:limit]
+    after = request.query.get("after")
+    if after is not None and not batch_input.is_batch_id(after):
+        raise errors.InvalidParameterError("'after' must be the id of a batch (the last_id of the previous page)",
+                                           param="after")
+    page = await _io(store.batches, limit + 1, after, owner)
+    data = [batch_api.batch_object(b) for b in page[:limit]]
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    store = _store(request)
+    store, owner = _store(request)
     bid = request.match_info["batch_id"]
-    b = await _io(store.batch, bid)
-    if b is None:
-        raise errors.ResourceNotFoundError(f"no batch '{bid[:64]}'")
-    if b["status"] not in ("validating", "in_progress", "finalizing", "cancelling"):
+    b = await _own_batch(store, owner, bid)
+    if b["status"] not in batch_api.ACTIVE:
         raise errors.InvalidParameterError(f"batch '{bid[:64]}' is {b['status']}; only a running batch can be "
                                            "cancelled", param="batch_id")
     if b["status"] != "cancelling":
         b = await _io(store.update_batch, bid, {"status": "cancelling", "cancelling_at": int(time.time())})
-    return web.json_response(b)
+    return web.json_response(batch_api.batch_object(b))
 
 
 async def version(request: web.Request) -> web.Response:

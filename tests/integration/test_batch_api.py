@@ -5,7 +5,14 @@ persistence on (its own server, so the test may restart it).
 Results are matched by ``custom_id`` to the same requests sent one by one; a cancel stops the
 remaining items; the runner is killed and replaced mid-batch, a router process running a few
 hundred items is SIGKILLed and replaced, and Redis is restarted mid-batch,
-and every item is still answered exactly once.
+and every item is still answered exactly once. Three router processes share a batch and run each
+item once; one killed mid-batch has its items taken over when their leases expire.
+
+Tenants: a second HTTP server on the same engine and store wants API keys; two keys through the
+``openai`` client and ``pdserve batch`` each see only their own files and batches (another's is a
+404 that says no more than an unknown id's). Malformed input (ids that name other Redis keys,
+a 10,000-character filename, a line nested 5,000 deep, an unpaired surrogate) is a 4xx, and
+creating a batch from a 64 MiB file does not stall the server's event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from pdserve.cluster.redis_server import EmbeddedRedis, connect
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.router.batch_api import BatchRunner
+from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.batch_runner import BatchRunner
 from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
@@ -33,6 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPTS = [f"Item {i} of the nightly review batch says" for i in range(40)]
 GEN = 6
+KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-9876543210"
 
 
 class Stack:
@@ -48,6 +57,7 @@ class Stack:
         self.thread.start()
         self.serving = self.call(self._serving())
         self.server = self.call(start_http_server(self.serving, batches=self.store))
+        self.keyed = self.call(start_http_server(self.serving, batches=self.store, auth=ApiKeyAuth([KEY_A, KEY_B])))
         self.runner: BatchRunner | None = None
         self.runner_task = None
         self.start_runner()
@@ -73,12 +83,15 @@ class Stack:
             await self.runner.close()
         self.call(go())
 
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="none", max_retries=3, timeout=30)
+    def openai(self, key: str | None = None) -> openai.OpenAI:
+        """A client of the open server, or with ``key`` of the server that wants API keys."""
+        base = (self.server if key is None else self.keyed).base_url
+        return openai.OpenAI(base_url=base + "/v1", api_key=key or "none", max_retries=3, timeout=30)
 
     def close(self) -> None:
         self.kill_runner()
         self.call(self.server.stop())
+        self.call(self.keyed.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.backend.close()
@@ -280,13 +293,15 @@ def test_a_killed_router_process_mid_batch_answers_every_item_once(stack: Stack,
     from pdserve.engine.sampling_params import SamplingParams
 
     script = Path(__file__).with_name("batch_router_proc.py")
-    env = dict(os.environ, BATCH_REDIS_URL=stack.redis.url, BATCH_REDIS_PASSWORD=stack.redis.password)
+    env = dict(os.environ, BATCH_REDIS_URL=stack.redis.url, BATCH_REDIS_PASSWORD=stack.redis.password,
+               BATCH_LEASE_S="3")   # the dead router's leased items are taken over 3 s after it died
 
     def start() -> tuple[subprocess.Popen, openai.OpenAI]:
         proc = subprocess.Popen([sys.executable, str(script), str(tiny_model), "bk"], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url
+        proc.stdout.readline()   # its lease holder
         return proc, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=3, timeout=30)
 
     prompts = [f"Review {i} of the few hundred says" for i in range(240)]
@@ -363,3 +378,293 @@ def test_the_operator_cli_submits_watches_and_fetches(stack: Stack, tmp_path) ->
     assert batch_id in cli("list").stdout
     bad = cli("status", "batch_nope")
     assert bad.returncode == 1 and "404" in bad.stderr and "no batch" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------- tenants
+def http(stack: Stack, method: str, path: str, *, authorization: str | None = None, body: bytes | None = None,
+         content_type: str = "application/json", keyed: bool = True) -> tuple[int, bytes]:
+    """A raw request (the cases the ``openai`` client cannot send): (status, body)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": content_type} if body is not None else {}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    base = (stack.keyed if keyed else stack.server).base_url
+    req = urllib.request.Request(base + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def upload(stack: Stack, content: bytes, filename: str, key: str = KEY_A) -> tuple[int, bytes]:
+    boundary = "pdserve-test-boundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+            f"Content-Type: application/jsonl\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
+    return http(stack, "POST", "/v1/files", authorization=f"Bearer {key}", body=body,
+                content_type=f"multipart/form-data; boundary={boundary}")
+
+
+def not_found_alike(call, theirs: str, unknown: str) -> None:
+    """``call`` on another tenant's id is the same 404 as on an id that does not exist."""
+    with pytest.raises(openai.NotFoundError) as got:
+        call(theirs)
+    with pytest.raises(openai.NotFoundError) as none:
+        call(unknown)
+    assert got.value.response.json() == json.loads(none.value.response.text.replace(unknown, theirs))
+
+
+def test_two_keys_are_two_tenants_that_never_see_each_others_files_or_batches(stack: Stack) -> None:
+    import uuid
+
+    a, b = stack.openai(KEY_A), stack.openai(KEY_B)
+    lines_a = requests(PROMPTS[:3], "ta")
+    fa = a.files.create(file=jsonl(lines_a), purpose="batch")
+    ba = a.batches.create(input_file_id=fa.id, endpoint="/v1/completions", completion_window="24h")
+    bb = submit(b, requests(PROMPTS[3:5], "tb"))
+    done_a, done_b = wait_status(a, ba.id, {"completed"}), wait_status(b, bb.id, {"completed"})
+    assert set(results(a, done_a.output_file_id)) == {x["custom_id"] for x in lines_a}
+    assert "owner" not in done_a.model_dump() and "owner" not in a.files.retrieve(fa.id).model_dump()
+    # a long one of A's, still running while B tries to cancel it
+    running = submit(a, [dict(x, body=dict(x["body"], max_tokens=60)) for x in requests(PROMPTS * 2, "tr")])
+
+    unknown_file, unknown_batch = f"file-{uuid.uuid4().hex}", f"batch_{uuid.uuid4().hex}"
+    for call, theirs, unknown in (
+            (b.files.retrieve, fa.id, unknown_file),                       # A's prompts
+            (b.files.content, fa.id, unknown_file),
+            (b.files.retrieve, done_a.output_file_id, unknown_file),       # A's completions
+            (b.files.content, done_a.output_file_id, unknown_file),
+            (b.batches.retrieve, ba.id, unknown_batch),
+            (b.batches.cancel, running.id, unknown_batch),
+            (lambda fid: b.batches.create(input_file_id=fid, endpoint="/v1/completions", completion_window="24h"),
+             fa.id, unknown_file)):
+        not_found_alike(call, theirs, unknown)
+    assert a.batches.retrieve(running.id).status == "in_progress"     # B's cancel did nothing
+    listed_a = {x.id for x in a.batches.list(limit=100).data}
+    listed_b = {x.id for x in b.batches.list(limit=100).data}
+    assert {ba.id, running.id} <= listed_a and bb.id not in listed_a
+    assert listed_b == {bb.id}
+    # the key's owner, however the header spells it; no key, no entry
+    for spelling in (f"Bearer {KEY_A}", f"bearer   {KEY_A}", f"  BEARER {KEY_A} "):
+        status, body = http(stack, "GET", f"/v1/batches/{ba.id}", authorization=spelling)
+        assert status == 200 and json.loads(body)["id"] == ba.id
+    assert http(stack, "GET", f"/v1/batches/{ba.id}")[0] == 401
+    # without keys everyone is the anonymous owner (the earlier tests' batches are its own), who
+    # owns neither tenant's objects, and whose batches are no tenant's
+    anon = stack.openai()
+    not_found_alike(anon.batches.retrieve, ba.id, unknown_batch)
+    not_found_alike(anon.files.content, done_b.output_file_id, unknown_file)
+    assert not {x.id for x in anon.batches.list(limit=100).data} & (listed_a | listed_b)
+    assert a.batches.cancel(running.id).status == "cancelling"
+    wait_status(a, running.id, {"cancelled"})
+    wait_free(stack)
+
+
+def test_the_operator_cli_works_per_key(stack: Stack, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    theirs = submit(stack.openai(KEY_A), requests(PROMPTS[:2], "cli-a"))
+    src = tmp_path / "mine.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in requests(PROMPTS[2:4], "cli-b")) + "\n")
+
+    def cli(key: str | None, *argv: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+        if key is not None:
+            env["PDSERVE_API_KEY"] = key   # the key from the environment, never argv
+        return subprocess.run([sys.executable, "-m", "pdserve", "batch", *argv, "--url", stack.keyed.base_url],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    sub = cli(KEY_B, "submit", str(src))
+    assert sub.returncode == 0, sub.stderr
+    mine = sub.stdout.strip()
+    assert cli(KEY_B, "status", mine, "--watch").returncode == 0
+    listed = cli(KEY_B, "list").stdout
+    assert mine in listed and theirs.id not in listed
+    assert mine not in cli(KEY_A, "list").stdout
+    for action in ("status", "results", "cancel"):
+        got = cli(KEY_B, action, theirs.id)
+        assert got.returncode == 1 and f"404 no batch '{theirs.id}'" in got.stderr, got.stderr
+    refused = cli(None, "list")
+    assert refused.returncode == 1 and "401" in refused.stderr and "missing API key" in refused.stderr
+    wait_status(stack.openai(KEY_A), theirs.id, {"completed"})
+
+
+# ---------------------------------------------------------------------------- malformed input
+def test_ids_that_name_other_redis_keys_are_404_not_500(stack: Stack) -> None:
+    a = stack.openai(KEY_A)
+    b = submit(a, requests(PROMPTS[:2], "ids"))
+    auth = f"Bearer {KEY_A}"
+    for suffix in (":counts", ":items", ":results", ":lease:0", ":claims"):
+        for method, path in (("GET", f"/v1/batches/{b.id}{suffix}"), ("POST", f"/v1/batches/{b.id}{suffix}/cancel")):
+            status, body = http(stack, method, path, authorization=auth)
+            assert status == 404 and "no batch" in json.loads(body)["error"]["message"], (path, status, body)
+            status, _ = http(stack, method, path, keyed=False)
+            assert status == 404, (path, status)
+    for bad in (f"{b.id}:counts", "batch_nope", b.id.upper()):
+        status, body = http(stack, "GET", f"/v1/batches?after={bad}", authorization=auth)
+        assert status == 400 and json.loads(body)["error"]["param"] == "after"
+    for path in (f"/v1/files/{b.input_file_id}:x", f"/v1/files/{b.input_file_id}:x/content"):
+        assert http(stack, "GET", path, authorization=auth)[0] == 404
+    wait_status(a, b.id, {"completed"})
+
+
+def test_malformed_uploads_are_400_naming_the_limit(stack: Stack) -> None:
+    good = ("\n".join(json.dumps(x) for x in requests(PROMPTS[:1], "up")) + "\n").encode()
+    for name_length, words in ((300, "300 characters; at most 255"), (10_000, "at most 255 characters")):
+        status, body = upload(stack, good, "f" * name_length)
+        assert status == 400 and words in json.loads(body)["error"]["message"], body[:300]
+    a = stack.openai(KEY_A)
+    deep = json.dumps(requests(PROMPTS[:1], "deep")[0]).replace(json.dumps(PROMPTS[0]), "[" * 5000 + "]" * 5000)
+    with pytest.raises(openai.BadRequestError, match="line 2 nests arrays and objects more than 64 levels"):
+        a.files.create(file=io.BytesIO(good + deep.encode() + b"\n"), purpose="batch")
+    lone = [dict(requests(PROMPTS[:1], "s")[0], custom_id="\ud800")]
+    with pytest.raises(openai.BadRequestError, match="line 1 has an unpaired surrogate"):
+        a.files.create(file=jsonl(lone), purpose="batch")
+    in_prompt = requests(["a \udfff b"], "s2")
+    with pytest.raises(openai.BadRequestError, match="unpaired surrogate"):
+        a.files.create(file=jsonl(in_prompt), purpose="batch")
+
+
+def test_lines_holding_u2028_or_u0085_are_one_request_each(stack: Stack) -> None:
+    a = stack.openai(KEY_A)
+    lines = requests([f"First part{sep}second part of item {i}" for i, sep in enumerate(
+        ["\u2028", "\u0085", "\u2029", "\x1c"])], "sep")
+    buf = io.BytesIO(("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n").encode())
+    b = a.batches.create(input_file_id=a.files.create(file=buf, purpose="batch").id, endpoint="/v1/completions",
+                         completion_window="24h")
+    assert b.status == "in_progress" and b.request_counts.total == len(lines), b.errors
+    done = wait_status(a, b.id, {"completed"})
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
+    assert set(results(a, done.output_file_id)) == {x["custom_id"] for x in lines}
+
+
+class LoopLag:
+    """The server loop's longest stall: a task sleeping 5 ms at a time, measuring how late it wakes."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.worst = 0.0
+        self._task = None
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.005)
+            self.worst = max(self.worst, loop.time() - t - 0.005)
+
+    def __enter__(self) -> LoopLag:
+        async def go():
+            self._task = asyncio.get_running_loop().create_task(self._probe())
+        self.stack.call(go())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def go():
+            self._task.cancel()
+        self.stack.call(go())
+
+
+def test_a_64_mib_batch_is_created_without_stalling_the_event_loop(stack: Stack) -> None:
+    a = stack.openai(KEY_A)
+    body = {"model": "tiny", "prompt": "p" * 1200, "max_tokens": 1, "temperature": 0}
+    text = "\n".join(json.dumps({"custom_id": f"big-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                     for i in range(47_500)) + "\n"
+    content = text.encode()
+    assert 60 * 2 ** 20 < len(content) <= 64 * 2 ** 20
+    buf = io.BytesIO(content)
+    buf.name = "big.jsonl"
+    with LoopLag(stack) as upload_lag:
+        f = a.files.create(file=buf, purpose="batch")
+    with LoopLag(stack) as create_lag:
+        t0 = time.monotonic()
+        b = a.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        took = time.monotonic() - t0
+    print(f"64 MiB file: upload stalled the loop at most {upload_lag.worst * 1000:.0f} ms; creation "
+          f"{create_lag.worst * 1000:.0f} ms (creation took {took:.2f} s)")
+    assert b.status == "in_progress" and b.request_counts.total == 47_500
+    assert create_lag.worst < 0.1 and upload_lag.worst < 0.1, (create_lag.worst, upload_lag.worst)
+    a.batches.cancel(b.id)
+    wait_status(a, b.id, {"cancelled"}, timeout_s=240)
+    wait_free(stack)
+
+
+# ------------------------------------------------------------------------ several routers
+def test_three_routers_run_each_item_once_and_take_over_a_killed_ones_items(stack: Stack, tiny_model,
+                                                                             tmp_path) -> None:
+    """Three router processes, each with its batch runner, share the batches of one Redis: each
+    item runs once (the routers' own request counters add up to the item count, and the store
+    counts one claim per item); one SIGKILLed mid-batch leaves leases that expire, and its items
+    are taken over (claimed twice), the batch still answered exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    store = RedisBatchStore(stack.client, namespace="tri")
+    script = Path(__file__).with_name("batch_router_proc.py")
+    env = dict(os.environ, BATCH_REDIS_URL=stack.redis.url, BATCH_REDIS_PASSWORD=stack.redis.password,
+               BATCH_LEASE_S="6")
+    procs = [subprocess.Popen([sys.executable, str(script), str(tiny_model), "tri"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=(tmp_path / f"router{i}.log").open("w"))
+             for i in range(3)]
+
+    def batch_requests(url: str) -> float:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            return sum(float(x.split()[-1]) for x in resp.read().decode().splitlines()
+                       if x.startswith("pdserve_router_requests_finished_total{") and 'api="batch"' in x)
+
+    def held(batch_id: str, holder: str) -> set[int]:
+        out = set()
+        for key in stack.client.keys(f"tri:batch:{batch_id}:lease:*"):
+            if stack.client.get(key) == holder.encode():
+                out.add(int(key.rsplit(b":", 1)[1]))
+        return out
+
+    try:
+        urls, holders = [], []
+        for p in procs:
+            urls.append(p.stdout.readline().strip())
+            holders.append(p.stdout.readline().strip())
+            assert urls[-1].startswith("http://127.0.0.1:"), urls[-1]
+        client = openai.OpenAI(base_url=urls[0] + "/v1", api_key="none", max_retries=3, timeout=30)
+        # 1. three runners, each item once
+        lines = requests([f"Shared item {i} reads" for i in range(60)], "tri")
+        b = submit(client, lines)
+        done = wait_status(client, b.id, {"completed"}, timeout_s=240)
+        assert set(results(client, done.output_file_id)) == {x["custom_id"] for x in lines}
+        assert store.claims(b.id) == {i: 1 for i in range(len(lines))}
+        ran = [batch_requests(u) for u in urls]
+        print(f"60 items over three routers: {ran}")
+        assert sum(ran) == len(lines)
+        # 2. one router killed mid-batch: its items wait for their leases to expire, then run elsewhere
+        lines = [dict(x, body=dict(x["body"], max_tokens=24)) for x in requests(
+            [f"Long item {i} reads" for i in range(150)], "tk")]
+        b = submit(client, lines)
+        end = time.monotonic() + 120
+        while len(held(b.id, holders[2])) < 3:
+            assert time.monotonic() < end, "the third router never ran three items at once"
+            time.sleep(0.01)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait(30)
+        answered = {i for i, _, _ in store.results(b.id)}
+        orphans = held(b.id, holders[2]) - answered   # running when it died: never released, no result
+        assert orphans
+        done = wait_status(client, b.id, {"completed"}, timeout_s=240)
+        out = results(client, done.output_file_id)    # each custom_id once (results() checks)
+        assert set(out) == {x["custom_id"] for x in lines}
+        claims = store.claims(b.id)
+        assert {i for i, n in claims.items() if n > 1} == orphans and all(claims[i] == 2 for i in orphans)
+        assert set(claims) == set(range(len(lines)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(30)
