@@ -3,6 +3,12 @@ when the planner says so, and replaces dead workers to keep each pool at its min
 
 Scaling down never loses a request: the worker is marked draining (the router sends it
 nothing new), waits until it holds no request, and only then is stopped.
+
+A start tolerates a dying peer: a peer whose NIXL agent cannot be added (it is being killed) is
+skipped, logged and counted (``PoolRecord.peers_skipped``), and the worker serves without it. A
+replacement that fails to start is tried again with exponential backoff
+(``REPLACE_BACKOFF_S`` doubling up to ``REPLACE_BACKOFF_MAX_S``) until the pool is back at its
+minimum; each failed start is counted (``PoolRecord.start_failures``).
 """
 
 from __future__ import annotations
@@ -16,18 +22,22 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.engine.contract import WorkerStats
+from pdserve.engine.errors import CompatibilityError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
 from pdserve.cluster.traffic_window import CapacityModel, TrafficWindow
 from pdserve.cluster.worker_registry import WorkerRecord, WorkerRegistry
 from pdserve.cluster.workers import ACTOR_PREFIX, WorkerHandle, start_worker, stop_worker
-from pdserve.router.worker_pool import WorkerPool
+from pdserve.router.worker_pool import WorkerPool, remote_error
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 # A replica not placed by then is waiting for resources: the autoscaler is asked for them.
 PLACEMENT_GRACE_S = 10.0
+# A replacement that failed to start is tried again after this, doubling up to the cap.
+REPLACE_BACKOFF_S = 1.0
+REPLACE_BACKOFF_MAX_S = 30.0
 
 
 @dataclass(slots=True)
@@ -38,14 +48,18 @@ class PoolRecord:
     draining: set[str] = field(default_factory=set)
     last_scale_up_at: float | None = None
     last_scale_down_at: float | None = None
+    peers_skipped: int = 0    # peers a new worker of this pool could not add (or that could not add it)
+    start_failures: int = 0   # worker starts that failed
 
 
 class PoolManager:
     def __init__(self, config: ClusterConfig, pool: WorkerPool, *, namespace: str | None = None,
                  detached: bool = False, ready_timeout_s: float = 300.0,
-                 registry: WorkerRegistry | None = None) -> None:
+                 registry: WorkerRegistry | None = None,
+                 replace_backoff_s: tuple[float, float] = (REPLACE_BACKOFF_S, REPLACE_BACKOFF_MAX_S)) -> None:
         """``registry``: where the workers are listed for the other routers and the next leader
-        (an elected control plane); each change is written there after it is made."""
+        (an elected control plane); each change is written there after it is made.
+        ``replace_backoff_s``: (first, largest) wait before a failed replacement is tried again."""
         self.config = config
         self.registry = registry
         self.pool = pool
@@ -67,6 +81,8 @@ class PoolManager:
         self._prev_stats: dict[str, tuple[float, WorkerStats]] = {}
         self._asked_autoscaler = False
         self._actions: set[asyncio.Task] = set()  # scale-ups and drains the planner started
+        self.replace_backoff_s = replace_backoff_s
+        self._closed = False
 
     # --------------------------------------------------------------- replicas
     def _new_id(self, role: str) -> str:
@@ -102,10 +118,12 @@ class PoolManager:
                 await self._connect(handle, role)
                 record.handles[worker_id] = handle
                 self.pool.add(worker_id, role, handle.actor)
-            await self._registry("add", WorkerRecord(worker_id, role, ACTOR_PREFIX[role] + worker_id,
-                                                     self._ray_namespace()))
+            if self.registry is not None:
+                await self._registry("add", WorkerRecord(worker_id, role, ACTOR_PREFIX[role] + worker_id,
+                                                         self._ray_namespace()))
         except BaseException:
             record.pending -= 1
+            record.start_failures += 1
             logger.exception("could not start a %s worker", role)
             if handle is not None:  # not ready, or cancelled while it loaded: never leave it running
                 try:
@@ -119,19 +137,36 @@ class PoolManager:
 
     async def _connect(self, handle: WorkerHandle, role: str, timeout_s: float = 60.0) -> None:
         """Make the new worker's NIXL agent and every agent of the other pool know each other.
-        A peer that cannot take the new agent (it died meanwhile) is logged, not fatal."""
+        A peer that cannot be added either way (it is dying: ``NIXL_ERR_BACKEND``, or it died
+        meanwhile) is skipped, logged and counted: the new worker serves without it, and the
+        router drops the dead peer on its own. Only an incompatible KV layout fails the start
+        (a configuration error, the same for every peer)."""
         other = "decode" if role == "prefill" else "prefill"
         peers = list(self.pools[other].handles.values())
         if role == "decode":  # decode workers also move KV to each other (live migration on drain)
             peers += [h for wid, h in self.pools["decode"].handles.items() if wid != handle.worker_id]
-        await asyncio.wait_for(asyncio.gather(*(handle.actor.add_peer.remote(p.metadata) for p in peers)),
-                               timeout_s)
-        results = await asyncio.wait_for(asyncio.gather(
-            *(p.actor.add_peer.remote(handle.metadata) for p in peers), return_exceptions=True), timeout_s)
-        for peer, result in zip(peers, results):
-            if isinstance(result, BaseException):
-                logger.warning("%s worker %s could not add %s as a peer: %s", other, peer.worker_id,
-                               handle.worker_id, str(result).splitlines()[0] if str(result) else result)
+        failed = await _each([handle.actor.add_peer.remote(p.metadata) for p in peers], timeout_s)
+        for err in failed:
+            if err is not None and isinstance(remote_error(err), CompatibilityError):
+                raise err
+        added = []
+        for peer, err in zip(peers, failed):
+            if err is None:
+                added.append(peer)
+            else:
+                self._skip_peer(role, f"new {role} worker {handle.worker_id} could not add {peer.role} worker "
+                                      f"{peer.worker_id} as a peer", err)
+        failed = await _each([p.actor.add_peer.remote(handle.metadata) for p in added], timeout_s)
+        for peer, err in zip(added, failed):
+            if err is not None:
+                self._skip_peer(role, f"{peer.role} worker {peer.worker_id} could not add new {role} worker "
+                                      f"{handle.worker_id} as a peer", err)
+
+    def _skip_peer(self, role: str, what: str, err: BaseException) -> None:
+        self.pools[role].peers_skipped += 1
+        text = str(remote_error(err)).strip()
+        logger.warning("%s (skipped; the start goes on without it): %s", what,
+                       text.splitlines()[0] if text else type(err).__name__)
 
     async def _wait_placed(self, role: str, handle: WorkerHandle) -> bytes:
         """Wait for a new worker to answer. If it is still not placed after ``PLACEMENT_GRACE_S``,
@@ -247,10 +282,38 @@ class PoolManager:
         record.draining.discard(worker_id)
         self.pool.remove(worker_id)
         await self._registry("remove", worker_id)
-        live = len(record.handles) + record.pending
-        if live < self.config.pool(role).min_replicas:
+        if self._missing(role) > 0:
             logger.warning("%s pool below its minimum after %s died: starting a replacement", role, worker_id)
-            await self.add_replica(role)
+            await self.replace(role)
+
+    def _missing(self, role: str) -> int:
+        """Replicas ``role``'s pool lacks to reach its minimum (starting ones count as there)."""
+        record = self.pools[role]
+        return self.config.pool(role).min_replicas - (len(record.handles) + record.pending)
+
+    async def replace(self, role: str) -> None:
+        """Start ``role`` workers until its pool is back at its minimum; a start that fails is
+        tried again after ``replace_backoff_s[0]`` seconds, doubling up to ``[1]``, until one
+        succeeds or the manager shuts down. Concurrent calls never overshoot: each starts one
+        worker at a time and counts the others' starting ones."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._actions.add(task)  # cancelled by ``shutdown``: nothing starts after it
+        delay, cap = self.replace_backoff_s
+        try:
+            while not self._closed and self._missing(role) > 0:
+                try:
+                    await self.add_replica(role)
+                    delay = self.replace_backoff_s[0]
+                except Exception as exc:  # logged by add_replica with its traceback
+                    logger.warning("%s replacement failed (%s failed starts so far); trying again in %.1f s: %s",
+                                   role, self.pools[role].start_failures, delay,
+                                   str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, cap)
+        finally:
+            if task is not None:
+                self._actions.discard(task)
 
     async def adopt(self, timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
         """Take over the workers the registry lists (a new control-plane leader): each one that
@@ -443,6 +506,7 @@ class PoolManager:
     async def shutdown(self, stop_workers: bool = True) -> None:
         """Cancel the planner's actions in flight; stop every worker unless ``stop_workers`` is
         False (an elected control plane's router leaving a cluster that other routers serve)."""
+        self._closed = True
         for task in list(self._actions):
             task.cancel()
         await asyncio.gather(*self._actions, return_exceptions=True)
@@ -451,6 +515,20 @@ class PoolManager:
         for record in self.pools.values():
             for wid in list(record.handles):
                 await self._stop(wid)
+
+
+async def _each(refs: list, timeout_s: float) -> list[BaseException | None]:
+    """Await every call (Ray object refs), each within ``timeout_s``: its error, or None."""
+    async def one(ref) -> BaseException | None:
+        try:
+            await asyncio.wait_for(ref, timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return exc
+        return None
+
+    return list(await asyncio.gather(*(one(r) for r in refs)))
 
 
 def _itl_ms(stats: WorkerStats) -> float | None:

@@ -508,7 +508,8 @@ class RouterService:
                     expired_reservations=s.expired_reservations if decode else 0))))
         return ClusterStatus(
             endpoints={"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},
-            pools={role: PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining))
+            pools={role: PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining), rec.peers_skipped,
+                                    rec.start_failures)
                    for role, rec in self.manager.pools.items()},
             workers=workers,
             planner=[{"pool": str(d.role), "action": d.action.value, "target": d.target_replicas,

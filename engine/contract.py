@@ -167,6 +167,7 @@ class RequestRecord:
     error: str | None = None
     phase: RequestPhase | None = None
     itl_s: tuple[float, ...] = ()
+    owner: str = ""   # the tenant: its API key's owner id (``router/auth.py``); "" anonymous or not known
 
     @property
     def finish_reason(self) -> str | None:
@@ -178,6 +179,8 @@ class RequestRecord:
             "request_id": self.request_id, "client_request_id": self.client_request_id, "api": self.api,
             "outcome": self.outcome, "finish_reason": self.finish_reason, "error": self.error,
             "priority": self.priority, "max_tokens": self.max_tokens, "time": self.time}
+        if self.owner:
+            out["owner"] = self.owner
         if self.phase is not None:
             out.update(self.phase.to_dict())
             out["finish_reason"] = self.phase.finish_reason
@@ -191,7 +194,8 @@ class RequestRecord:
         return cls(request_id=str(d.get("request_id", "")), client_request_id=str(d.get("client_request_id") or ""),
                    api=str(d.get("api", "")), outcome=str(d.get("outcome") or d.get("finish_reason") or ""),
                    priority=str(d.get("priority", "interactive")), max_tokens=int(d.get("max_tokens") or 0),
-                   time=float(d.get("time") or 0.0), error=d.get("error"), phase=phase)
+                   time=float(d.get("time") or 0.0), error=d.get("error"), phase=phase,
+                   owner=str(d.get("owner") or ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +309,8 @@ class PoolStatus:
     replicas: int
     pending: int
     draining: list[str] = field(default_factory=list)
+    peers_skipped: int = 0    # peers a new worker could not add (a dying peer), skipped
+    start_failures: int = 0   # worker starts that failed (a replacement is tried again)
 
 
 @dataclass(frozen=True, slots=True)
