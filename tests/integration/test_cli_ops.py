@@ -185,3 +185,81 @@ def test_config_schema_prints_the_json_schema(state_dir: Path) -> None:
     schema = json.loads(out.stdout)
     assert {"model", "prefill", "decode", "router", "redis", "ray", "planner"} <= set(schema["properties"])
     assert "max_num_seqs" in schema["$defs"]["EngineSettings"]["properties"]
+
+
+@pytest.mark.timeout(900)
+def test_a_head_killed_with_sigkill_leaves_nothing_after_down_and_its_data_dir_serves_again(
+        state_dir: Path, tiny_model: Path) -> None:
+    """SIGKILL of the head mid-batch -> `status` says it is dead and names what it left (Valkey,
+    Ray's processes), exit code 3 -> `up` refuses to start beside them -> `down` ends them all
+    before it returns -> `up` on the same redis.data_dir loads its AOF and finishes the batch,
+    every item answered once."""
+    import signal
+
+    data_dir = state_dir / "redis-data"
+    # two sequences at a time: the batch runs one item at a time, so the kill comes mid-batch
+    settings = overrides({**SETTINGS, "redis.data_dir": str(data_dir), "decode.engine.max_num_seqs": 2})
+
+    def up() -> dict:
+        out = pdserve(state_dir, "up", "--model", str(tiny_model), *settings, "--timeout", str(UP_TIMEOUT_S),
+                      timeout_s=UP_TIMEOUT_S + 30)
+        log = (state_dir / "head.log").read_text(errors="replace") if (state_dir / "head.log").exists() else ""
+        assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- head.log ---\n{log[-4000:]}"
+        return json.loads((state_dir / "state.json").read_text())
+
+    state = up()
+    head = state["pid"]
+    n = 48
+    src = state_dir / "batch.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"crash-{i}", "method": "POST", "url": "/v1/completions",
+                                       "body": {"model": state["model"], "prompt": f"{i} {PROMPT}", "max_tokens": 64,
+                                                "temperature": 0, "ignore_eos": True}}) + "\n" for i in range(n)))
+    submitted = pdserve(state_dir, "batch", "submit", str(src))
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.strip()
+    deadline = time.monotonic() + 60  # kill it mid-batch: some items answered, not all
+    while time.monotonic() < deadline:
+        counts = http_json(f"{state['http']}/v1/batches/{batch_id}")["request_counts"]
+        if counts["completed"] >= 1:
+            break
+        time.sleep(0.05)
+    print(f"killed with {counts['completed']} of {n} items answered")
+    assert 1 <= counts["completed"] < n, counts
+
+    tree = procs.descendants(head) | procs.in_session(head)  # the head, Valkey, Ray (GCS, raylet, agents, workers)
+    assert len(tree) >= 5, procs.describe(tree)
+    os.kill(head, signal.SIGKILL)
+    assert not procs.wait_gone({p for p in tree if p[0] == head}, 10)
+
+    status = pdserve(state_dir, "status")
+    print(status.stdout)
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert f"head (pid {head}) is dead" in status.stdout and "valkey-server" in status.stdout, status.stdout
+    as_json = json.loads(pdserve(state_dir, "status", "--json").stdout)
+    assert as_json["head"] == "dead" and as_json["leftovers"], as_json
+    assert {p["pid"] for p in as_json["leftovers"]} <= {pid for pid, _ in tree}  # nothing that is not the head's
+
+    refused = pdserve(state_dir, "up", "--model", str(tiny_model), *settings)
+    assert refused.returncode != 0 and "pdserve down" in refused.stderr, refused.stdout + refused.stderr
+
+    down = pdserve(state_dir, "down", timeout_s=120)
+    print(down.stdout)
+    assert down.returncode == 0 and "pdserve is down" in down.stdout, down.stdout + down.stderr
+    assert "is not running" in down.stdout and "valkey-server" in down.stdout, down.stdout
+    left = procs.survivors(tree)  # `down` returned: every process of the head has ended
+    assert not left, f"processes of the dead head still running: {procs.describe(left)}"
+    assert not (state_dir / "state.json").exists()
+    assert pdserve(state_dir, "status").returncode == 1
+
+    state = up()  # the same data dir: the stale lock is taken over, the AOF loaded
+    assert state["pid"] != head
+    watched = pdserve(state_dir, "batch", "status", batch_id, "--watch", timeout_s=240)
+    assert watched.returncode == 0 and f"{n}/{n} (0 failed) completed" in watched.stdout, \
+        watched.stdout + watched.stderr
+    got = [json.loads(x)["custom_id"] for x in pdserve(state_dir, "batch", "results", batch_id).stdout.splitlines()]
+    assert sorted(got) == sorted(f"crash-{i}" for i in range(n))  # each item answered once
+
+    tree = procs.descendants(state["pid"])
+    down = pdserve(state_dir, "down", timeout_s=150)
+    assert down.returncode == 0 and "pdserve is down" in down.stdout, down.stdout + down.stderr
+    assert not procs.wait_gone(tree, 20.0)
