@@ -177,7 +177,7 @@ def _format_request(entry: dict) -> str:
             f"out {ph.output_tokens:5d}  ttft {'-' if ttft is None else f'{ttft:.3f}s'}  "
             f"total {ph.total_s:.3f}s  kv {ph.kv_bytes / 1e6:.2f}MB/{ph.kv_transfer_s:.4f}s  "
             f"P={ph.prefill_worker} D={ph.decode_worker} attempts {ph.attempts}"
-            + (f"  error: {rec.error}" if rec.error else ""))
+            + (f"  owner {rec.owner}" if rec.owner else "") + (f"  error: {rec.error}" if rec.error else ""))
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -140,9 +140,11 @@ def check_create(body: object) -> tuple[str, str, str, dict | None]:
     return fid, endpoint, window, meta
 
 
-async def respond(serving: Serving, url: str, body: dict, client_id: str) -> tuple[int, dict]:
+async def respond(serving: Serving, url: str, body: dict, client_id: str,
+                  owner: str = ANONYMOUS) -> tuple[int, dict]:
     """Run one request body to its full (non-streamed) response: (HTTP status, body), the error's
-    status and OpenAI error body when it fails. Runs at the engine's batch priority."""
+    status and OpenAI error body when it fails. Runs at the engine's batch priority; the request
+    log records it under ``owner``, the batch's."""
     chat = url == "/v1/chat/completions"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
@@ -153,7 +155,8 @@ async def respond(serving: Serving, url: str, body: dict, client_id: str) -> tup
         if len(parsed_list) > 1 or parsed.n > 1 or parsed.best_of > 1 or parsed.echo:
             raise _bad("n", "a batch request has one prompt and one choice (no n, best_of, echo or prompt lists)")
         parsed = replace(parsed, priority=Priority.BATCH)
-        prepared = await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16)
+        prepared = replace(await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16),
+                           owner=owner)
         builder = ResponseBuilder(rid, serving.info.name, serving.tokenizer, chat=chat,
                                   logprobs=prepared.params.logprobs, tools=parsed.tools,
                                   tokens_as_ids=parsed.tokens_as_ids)

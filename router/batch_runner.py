@@ -139,14 +139,15 @@ class BatchRunner:
                 self.store.claim_items, batch_id, self.holder, self.lease_s, spare, counts["total"],
                 self._cursor.get(batch_id, 0))
             for i in claimed:
-                task = asyncio.get_running_loop().create_task(self._item(batch_id, i), name=f"batch-{i}")
+                task = asyncio.get_running_loop().create_task(self._item(batch_id, i, b.get("owner", ANONYMOUS)),
+                                                              name=f"batch-{i}")
                 self._running[(batch_id, i)] = task
                 task.add_done_callback(lambda _t, key=(batch_id, i): self._running.pop(key, None))
 
-    async def _item(self, batch_id: str, index: int) -> None:
+    async def _item(self, batch_id: str, index: int, owner: str) -> None:
         try:
             line = json.loads(await self._io(self.store.item, batch_id, index))
-            status, body = await respond(self.serving, line["url"], line["body"], f"{line['custom_id'][:96]}")
+            status, body = await respond(self.serving, line["url"], line["body"], f"{line['custom_id'][:96]}", owner)
             out = result_line(index, line["custom_id"], status, body)
             delay = 0.2
             while True:   # a result is never dropped: Redis may be restarting

@@ -81,6 +81,7 @@ class PreparedRequest:
     priority: Priority = Priority.INTERACTIVE
     client_id: str = ""  # the client's id: echoed back and logged, never used as a key inside
     resume_from: int | None = None  # resuming a stream: the tokens the client already has (Last-Event-ID)
+    owner: str = ""  # the tenant (its API key's owner id, router/auth.py), for the request log; "" anonymous
 
 
 @dataclass(slots=True)
@@ -349,7 +350,7 @@ class RequestStream:
         tell_all(self._s.observers, RequestRecord(
             request_id=r.request_id, client_request_id=r.client_id, api=self._api, outcome=self._outcome,
             priority=r.priority.name.lower(), max_tokens=r.params.max_tokens, time=time.time(),
-            error=None if error is None else str(error), phase=phase, itl_s=tuple(self._gaps)))
+            error=None if error is None else str(error), phase=phase, itl_s=tuple(self._gaps), owner=r.owner))
 
     async def _close_backend(self) -> None:
         if not self._backend_done:

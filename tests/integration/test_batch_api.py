@@ -28,10 +28,12 @@ import pytest
 
 from pdserve.cluster.batch_store import RedisBatchStore
 from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.router_service import _RequestLogWriter
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.router.auth import ApiKeyAuth
+from pdserve.router.auth import ApiKeyAuth, owner_id
 from pdserve.router.batch_runner import BatchRunner
 from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
@@ -49,6 +51,7 @@ class Stack:
         self.redis = EmbeddedRedis(password="batch-pw", data_dir=data_dir).start()
         self.client = connect(self.redis.url)
         self.store = RedisBatchStore(self.client, namespace="bt")
+        self.request_log = RequestLog(self.client, stream="bt:requests")   # what `pdserve requests tail` reads
         self.engine = LLMEngine(EngineConfig(model_dir=str(tiny_model), num_blocks=512, max_num_seqs=16,
                                              warm_up=False))
         self.backend = LocalEngineBackend(self.engine, model_name="tiny")
@@ -63,7 +66,8 @@ class Stack:
         self.start_runner()
 
     async def _serving(self) -> Serving:
-        return Serving(self.backend, tokenizer=load_tokenizer(self.engine.config.model_dir))
+        return Serving(self.backend, tokenizer=load_tokenizer(self.engine.config.model_dir),
+                       observers=[_RequestLogWriter(self.request_log)])
 
     def call(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -461,6 +465,16 @@ def test_two_keys_are_two_tenants_that_never_see_each_others_files_or_batches(st
     assert a.batches.cancel(running.id).status == "cancelling"
     wait_status(a, running.id, {"cancelled"})
     wait_free(stack)
+    # the operator's request log shows every tenant's items, each with its owner id
+    end = time.monotonic() + 10
+    while True:
+        logged = {e["client_request_id"]: e for e in stack.request_log.tail(5000) if e.get("api") == "batch"}
+        if {"ta-0", "ta-1", "ta-2", "tb-0", "tb-1"} <= set(logged) or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    assert [logged[f"ta-{i}"].get("owner") for i in range(3)] == [owner_id(KEY_A)] * 3
+    assert [logged[f"tb-{i}"].get("owner") for i in range(2)] == [owner_id(KEY_B)] * 2
+    assert "owner" not in logged["a-0"]   # the first test's, through the server without keys
 
 
 def test_the_operator_cli_works_per_key(stack: Stack, tmp_path) -> None:

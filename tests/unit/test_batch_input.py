@@ -161,3 +161,15 @@ def test_a_line_longer_than_one_request_is_named_without_being_copied_whole() ->
     content = line("a").encode() + b"\n" + big + b"\n" + line("b").encode()
     for slices in ([content], [content[i:i + 4096] for i in range(0, len(content), 4096)]):
         assert [(n, x is None) for n, x in batch_input.iter_lines(slices)] == [(1, False), (2, True), (3, False)]
+
+
+def test_the_request_log_keeps_the_owner_and_the_operators_view_shows_it() -> None:
+    from pdserve.cluster.cli import _format_request
+    from pdserve.engine.contract import RequestRecord
+
+    rec = RequestRecord("r1", "cid-1", "batch", "length", owner=owner_id("k"))
+    logged = rec.to_dict()
+    assert logged["owner"] == owner_id("k") and RequestRecord.from_dict(logged).owner == owner_id("k")
+    assert f"owner {owner_id('k')}" in _format_request(logged)
+    anonymous = RequestRecord("r2", "", "http", "stop").to_dict()
+    assert "owner" not in anonymous and "owner" not in _format_request(anonymous)
