@@ -252,11 +252,6 @@ class RedisBatchStore:
         return [raw.decode() for raw in self.r.lrange(self._k("batch", batch_id, "items"), 0, -1)]
 
     @_unavailable
-    def pending_items(self, batch_id: str, total: int) -> list[int]:
-        done = {int(i) for i in self.r.hkeys(self._k("batch", batch_id, "results"))}
-        return [i for i in range(total) if i not in done]
-
-    @_unavailable
     def record_result(self, batch_id: str, index: int, line: str, ok: bool) -> bool:
         stored = json.dumps({"ok": ok, "line": line})
         return bool(self._record(keys=[self._k("batch", batch_id, "results"), self._k("batch", batch_id, "counts")],
