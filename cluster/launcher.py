@@ -8,8 +8,9 @@ directory and publishes its status to Redis every second, which is what ``status
 ``down`` asks the head to stop (SIGTERM): it stops taking requests, lets in-flight ones finish
 (bounded), stops the workers, Redis and Ray it started, and removes the state file.
 
-A head that died without its clean-up (SIGKILL, OOM kill) leaves processes running: ``state.json``
-records who the head was (``cluster/head_processes.py``), so ``down`` ends what it left (SIGTERM,
+A head that died without its clean-up (SIGKILL, OOM kill) leaves processes running: ``head.json``
+(written before the head starts anything) and ``state.json`` record who the head was
+(``cluster/head_processes.py``), so ``down`` ends what it left (SIGTERM,
 then SIGKILL, bounded) before it removes the state, ``status`` says the head is dead and names
 what still runs (exit code 3), and ``up`` refuses to start beside those leftovers.
 
@@ -63,6 +64,12 @@ def state_file() -> Path:
     return state_dir() / "state.json"
 
 
+def head_file() -> Path:
+    """Who the head is (``HeadIdentity``), written before it starts anything: ``state.json``
+    appears only once it serves, and a head that dies on the way leaves processes too."""
+    return state_dir() / "head.json"
+
+
 def ensure_state_dir() -> Path:
     """The state directory, created 0700 (and made 0700 if it is ours and open to others)."""
     path = state_dir()
@@ -114,6 +121,19 @@ def read_state() -> dict | None:
     return state if isinstance(state, dict) and isinstance(state.get("pid"), int) else None
 
 
+def read_head() -> dict | None:
+    """The last head's record: ``state.json`` once it served, else ``head.json`` (no endpoints:
+    it was still starting, or died before it served)."""
+    st = read_state()
+    if st is not None:
+        return st
+    try:
+        head = json.loads(head_file().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return head if isinstance(head, dict) and isinstance(head.get("pid"), int) else None
+
+
 # --------------------------------------------------------------------------- the head process
 async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, write_state: bool = True, freeze_heap: bool = False) -> dict:
@@ -128,7 +148,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
     identity = HeadIdentity.of_this_process()
     if write_state:  # who this head is, before it starts anything: `down` finds what it left by it
         ensure_state_dir()
-        _write_private(state_file(), json.dumps({**identity.as_state(), "starting": True}, indent=2))
+        _write_private(head_file(), json.dumps(identity.as_state(), indent=2))
     import ray
 
     from pdserve.cluster.redis_server import EmbeddedRedis
@@ -232,10 +252,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             redis_server.stop()
         if started_ray:
             ray.shutdown()
-        st = read_state()
+        st = read_head()
         if write_state and st and st.get("pid") == os.getpid():
-            state_file().unlink(missing_ok=True)
-            redis_password_file().unlink(missing_ok=True)
+            _remove_state()
     return state
 
 
@@ -359,7 +378,7 @@ def event_loop_factory():
 # ------------------------------------------------------------------------------ the commands
 def up(config_path: str | None, model: str | None, overrides: list[str], foreground: bool,
        timeout_s: float = 600.0) -> int:
-    st = read_state()
+    st = read_head()
     if st:
         head = HeadIdentity.from_state(st)
         if head.alive():
@@ -413,7 +432,7 @@ def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float, identity:
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
             stop_leftovers(identity or HeadIdentity(proc.pid))
-            st = read_state()
+            st = read_head()
             if st and st.get("pid") == proc.pid:
                 _remove_state()
             return 1
@@ -445,7 +464,7 @@ def down(timeout_s: float = 120.0) -> int:
     """Stop the head (SIGTERM, SIGKILL after ``timeout_s``), then whatever it started that still
     runs (a head killed with SIGKILL left its Valkey and Ray's agents): 0 once none runs, 1 if
     some would not stop (the state is kept, so ``down`` can be run again)."""
-    st = read_state()
+    st = read_head()
     if not st:
         print("pdserve is not up (no state file)")
         return 0
@@ -474,6 +493,7 @@ def down(timeout_s: float = 120.0) -> int:
 
 def _remove_state() -> None:
     state_file().unlink(missing_ok=True)
+    head_file().unlink(missing_ok=True)
     redis_password_file().unlink(missing_ok=True)
 
 
@@ -497,7 +517,7 @@ def _kill_head(pid: int) -> None:
 def fetch_status() -> dict | None:
     """The cluster's published status with ``state``; for a head that is dead or still starting,
     ``head`` ("dead" with ``leftovers``, the processes it left running, or "starting") instead."""
-    st = read_state()
+    st = read_head()
     if not st:
         return None
     head = HeadIdentity.from_state(st)

@@ -248,7 +248,7 @@ def test_a_head_killed_with_sigkill_leaves_nothing_after_down_and_its_data_dir_s
     assert "is not running" in down.stdout and "valkey-server" in down.stdout, down.stdout
     left = procs.survivors(tree)  # `down` returned: every process of the head has ended
     assert not left, f"processes of the dead head still running: {procs.describe(left)}"
-    assert not (state_dir / "state.json").exists()
+    assert not (state_dir / "state.json").exists() and not (state_dir / "head.json").exists()
     assert pdserve(state_dir, "status").returncode == 1
 
     state = up()  # the same data dir: the stale lock is taken over, the AOF loaded
