@@ -29,6 +29,7 @@ from pdserve.cluster.planner import PlannerPolicy
 from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, SchedulingPolicy,
                                    StructuredLimits)
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.validation import DEFAULT_MAX_CHOICES
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -310,6 +311,20 @@ class RouterSettings(_Settings):
     body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a "
                                   "request's body; past it the request gets HTTP 408 and its "
                                   "connection is closed.")
+    header_timeout_s: float = Field(10.0, gt=0, description="Longest an HTTP client may take to send a "
+                                    "request's line and headers: from the connection's start, and from the "
+                                    "first byte of each later request on it; past it the connection is "
+                                    "closed (slow clients cannot hold connections open). An idle kept-alive "
+                                    "connection is closed after 75 s.")
+    max_choices_per_request: int | None = Field(None, ge=1, description="Most sequences one "
+                                         "request may run at once: its n (or best_of) times its prompts, or "
+                                         "its beams (use_beam_search). Each takes an admission slot, so this "
+                                         "caps one request's share of the decode pool's capacity; above it is "
+                                         "HTTP 400 / INVALID_ARGUMENT. The slots are shared fairly between "
+                                         "requests: a freed one goes to the waiting request that holds the "
+                                         f"fewest. At most the capacity (decode.engine.max_num_seqs times the "
+                                         f"decode replicas). Default: {DEFAULT_MAX_CHOICES}, or the capacity "
+                                         "when that is smaller.")
     allow_insecure_bind: bool = Field(False, description="Let `pdserve up` and `config check` serve "
                                       "on a non-loopback host without api_keys or TLS (e.g. behind a "
                                       "proxy that authenticates); without it they refuse.")
@@ -520,6 +535,12 @@ class ClusterConfig(_Settings):
         if self.router.replicas > 1 and not self.control_plane.election:
             raise ValueError("router.replicas: more than one router needs control_plane.election: true (the routers "
                              "share the workers, and one of them at a time runs the control plane)")
+        capacity = self.decode.engine.max_num_seqs * max(1, self.decode.max_replicas or 0, self.decode.min_replicas,
+                                                         self.decode.initial_replicas or 0)
+        if self.router.max_choices_per_request is not None and self.router.max_choices_per_request > capacity:
+            raise ValueError(f"router.max_choices_per_request: must be at most the decode pool's capacity "
+                             f"({capacity}: decode.engine.max_num_seqs times its replicas), got "
+                             f"{self.router.max_choices_per_request}")
         if self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")

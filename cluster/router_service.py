@@ -40,6 +40,7 @@ from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.serving import Serving, ServingLimits
+from pdserve.router.validation import DEFAULT_MAX_CHOICES
 from pdserve.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -178,8 +179,10 @@ class RouterService:
                                      transfer_timeout_s=cfg.router.disaggregation.kv_transfer_timeout_s,
                                      prefill_wait_s=cfg.router.disaggregation.prefill_wait_s,
                                      max_predicted_ttft_s=cfg.router.disaggregation.max_predicted_ttft_s)
-        admission = Admission(AdmissionConfig(max_in_flight=max(1, self._capacity()),
-                                              max_queued=cfg.router.max_queued_requests))
+        capacity = max(1, self._capacity())
+        admission = Admission(AdmissionConfig(max_in_flight=capacity, max_queued=cfg.router.max_queued_requests))
+        # one request's share of the slots: the setting, or by default 16 (less when capacity is less)
+        max_choices = min(cfg.router.max_choices_per_request or DEFAULT_MAX_CHOICES, capacity)
         from pdserve.cluster.metrics import PlannerMetrics, RayRouterMetrics
 
         self.metrics = RayRouterMetrics(info.name)
@@ -188,7 +191,7 @@ class RouterService:
                                                             if self.request_log is not None else [])
         self.serving = Serving(self.backend, observers=observers, admission=admission,
                                limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit,
-                                                    structured=cfg.structured.limits()))
+                                                    max_choices=max_choices, structured=cfg.structured.limits()))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router
@@ -204,7 +207,7 @@ class RouterService:
                 "Items of running batches without a result yet.")
         http = await start_http_server(
             self.serving, host=r.host, port=r.http_port, auth=auth, max_body_bytes=r.max_request_bytes,
-            body_timeout_s=r.body_timeout_s, batches=self.batch_store,
+            body_timeout_s=r.body_timeout_s, header_timeout_s=r.header_timeout_s, batches=self.batch_store,
             ssl_context=server_ssl_context(str(r.tls_cert_file), str(r.tls_key_file)) if tls else None)
         grpc = await start_grpc_server(
             self.serving, host=r.host, port=r.grpc_port, auth=auth,

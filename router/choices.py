@@ -10,7 +10,13 @@ slot, phase record and log entry), forked from the prompt's ``PreparedRequest``:
   holds it) instead of computing it again;
 * events of all choices come out of ``run_choices`` as ``(index, Chunk | Finished)`` in the
   order they happen; a choice that raises ends the whole response with that error, and every
-  other choice is aborted (its blocks freed) on the way out.
+  other choice is aborted (its blocks freed) on the way out;
+* the response has one deadline, fixed as it starts (``Serving.deadline``: the client's and
+  ``router.request_timeout_s``), shared by every choice, also those that start later: when it
+  passes the response ends with ``DeadlineExceededError`` (504, as a single request) and every
+  choice still running is aborted;
+* all choices are one admission group (``router/admission.py``), so a response of many choices
+  shares the slots fairly with other requests instead of taking each free one in turn.
 """
 
 from __future__ import annotations
@@ -54,10 +60,13 @@ async def run_choices(serving: Serving, choices: list[ChoiceRequest], *, api: st
                       deadline: float | None = None) -> AsyncIterator[tuple[int, Chunk | Finished]]:
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
+    deadline = serving.deadline(deadline)
+    group = choices[0].prepared.request_id if choices else ""
 
     async def one(c: ChoiceRequest) -> None:
         try:
-            async with serving.stream(c.prepared, api=api, scope=scope, deadline=deadline) as events:
+            async with serving.stream(c.prepared, api=api, scope=scope, deadline=deadline,
+                                      group=group) as events:
                 async for ev in events:
                     await queue.put((c.index, ev))
         except asyncio.CancelledError:

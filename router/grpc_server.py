@@ -30,7 +30,8 @@ from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.backend import Finished
 from pdserve.router.choices import ChoiceRequest, fork, run_choices
 from pdserve.router.serving import Chunk, PreparedRequest, Serving, client_scope
-from pdserve.router.validation import ParsedRequest, check_request_id, max_prompt_chars, parse_generate_fields
+from pdserve.router.validation import (DEFAULT_MAX_CHOICES, ParsedRequest, check_request_id, max_prompt_chars,
+                                       parse_generate_fields)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def add_generation_service(servicer: GenerationService, server: grpc.aio.Server)
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
+def parsed_from_proto(request: pb.GenerateRequest, *, max_choices: int = DEFAULT_MAX_CHOICES) -> ParsedRequest:
     s = request.sampling
     fields: dict = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     if s.stop:
@@ -115,6 +116,7 @@ def parsed_from_proto(request: pb.GenerateRequest) -> ParsedRequest:
         list(request.token_ids.ids) if which == "token_ids" else None,
         fields,
         _PRIORITY.get(request.priority, Priority.INTERACTIVE),
+        max_choices=max_choices,
     )
 
 
@@ -173,7 +175,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             if isinstance(request, MalformedMessage):
                 raise request.error()
             rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
-            parsed = parsed_from_proto(request)
+            parsed = parsed_from_proto(request, max_choices=self._serving.limits.max_choices)
             prepared = await self._serving.prepare(parsed, rid, default_max_tokens=16)
             if request.HasField("resume_from"):
                 if not request.request_id:

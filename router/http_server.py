@@ -30,6 +30,7 @@ from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.http_body import check_content_type, parse_json, read_body
 from pdserve.router.openai_format import ResponseBuilder, usage_totals
+from pdserve.router.header_timeout import HeaderDeadlineStats, with_header_deadline
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
 from pdserve.router.serving import Chunk, Serving, client_scope
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+# An idle kept-alive connection is closed after this (aiohttp's AppRunner default is an hour;
+# this is its run_app default, above the 60 s idle timeout of common load balancers).
+KEEPALIVE_TIMEOUT_S = 75.0
 _SERVING = web.AppKey("serving", Serving)
 _AUTH = web.AppKey("auth", ApiKeyAuth)
 _MAX_BODY = web.AppKey("max_body", int)
@@ -239,7 +244,8 @@ async def _send_events(resp: web.StreamResponse, builder: ResponseBuilder, first
 
 async def completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
-    parsed = parse_completion_bodies(await _read_json(request))
+    parsed = parse_completion_bodies(await _read_json(request),
+                                     max_choices=request.app[_SERVING].limits.max_choices)
     one = parsed[0]
     if one.beam_width:
         return await _generate_beams(request, parsed, chat=False)
@@ -250,7 +256,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_auth(request)
-    parsed = parse_chat_body(await _read_json(request))
+    parsed = parse_chat_body(await _read_json(request), max_choices=request.app[_SERVING].limits.max_choices)
     if parsed.beam_width:
         return await _generate_beams(request, [parsed], chat=True)
     if parsed.n == 1:
@@ -268,11 +274,12 @@ async def _generate_beams(request: web.Request, parsed: list[ParsedRequest], *, 
     auth = request.app[_AUTH]
     scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
     eos = frozenset(serving.info.eos_token_ids)
+    deadline = serving.deadline()   # one for the whole response, all prompts' searches together
     out_choices, extras, prompt_tokens, completion = [], [], 0, 0
     for g, p in enumerate(parsed):
         prepared = await serving.prepare(p, client_id, default_max_tokens=None if chat else 16)
         beams = await beam_search(serving, prepared, p.beam_width, p.length_penalty, eos_token_ids=eos,
-                                  api="http", scope=scope)
+                                  api="http", scope=scope, deadline=deadline)
         prompt_tokens += len(prepared.prompt_token_ids)
         for rank, beam in enumerate(beams):
             tokens = beam.tokens[:-1] if beam.ended else beam.tokens
@@ -439,9 +446,11 @@ async def tokenize(request: web.Request) -> web.Response:
     serving = request.app[_SERVING]
     req = parse_tokenize_body(await _read_json(request))
     ids = await serving.tokenize(req)
-    return web.json_response({"count": len(ids), "max_model_len": serving.info.max_model_len, "tokens": ids,
-                              "token_strs": serving.tokenizer.convert_ids_to_tokens(ids)
-                              if req.return_token_strs else None})
+    strs = await asyncio.to_thread(serving.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+    # hundreds of thousands of ids take tens of ms to write out: off the event loop too
+    text = await asyncio.to_thread(json.dumps, {"count": len(ids), "max_model_len": serving.info.max_model_len,
+                                                "tokens": ids, "token_strs": strs})
+    return web.Response(text=text, content_type="application/json")
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -450,7 +459,7 @@ async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[_SERVING]
     model, ids = parse_detokenize_body(await _read_json(request), serving.info.vocab_size)
     check_model(model, serving.info.name)
-    return web.json_response({"prompt": serving.detokenize(ids)})
+    return web.json_response({"prompt": await asyncio.to_thread(serving.detokenize, ids)})
 
 
 # ----------------------------------------------------------------------- Batch API
@@ -669,12 +678,16 @@ class HttpServer:
     host: str
     port: int
     tls: bool
+    listener: asyncio.Server | None = None   # accepts connections, each behind a HeaderDeadline
+    header_deadlines: HeaderDeadlineStats | None = None
 
     @property
     def base_url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()   # no new connections; the runner closes the open ones
         await self.runner.cleanup()
 
 
@@ -682,16 +695,21 @@ async def start_http_server(serving: Serving, *, host: str = "127.0.0.1", port: 
                             auth: ApiKeyAuth | None = None, ssl_context: ssl.SSLContext | None = None,
                             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                             body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                            header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                             batches: BatchStore | None = None) -> HttpServer:
     """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``). ``batches``: the Batch
     API's store (``cluster/batch_store.py``); without it the Batch API answers 404."""
     app = make_app(serving, auth=auth, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                    batches=batches)
     # auto_decompress off: router.http_body decompresses known codings itself, bounded in size.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
-    bound = runner.addresses[0][1]
+    # Listening ourselves (not a TCPSite) to put each connection behind a header-read deadline
+    # (router/header_timeout.py): aiohttp has none.
+    stats = HeaderDeadlineStats()
+    listener = await asyncio.get_running_loop().create_server(
+        with_header_deadline(runner.server, header_timeout_s, stats), host, port, ssl=ssl_context, backlog=128)
+    bound = listener.sockets[0].getsockname()[1]
     logger.info("HTTP API on %s:%d%s", host, bound, " (TLS)" if ssl_context else "")
-    return HttpServer(runner, host, bound, ssl_context is not None)
+    return HttpServer(runner, host, bound, ssl_context is not None, listener, stats)

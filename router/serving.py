@@ -11,7 +11,10 @@
    Text is detokenized here; a stop string ends the
    request as "stop" and the backend request is aborted. The deadline is the earlier of the
    client's and ``ServingLimits.request_timeout_s``; when it passes the request is aborted and
-   ``DeadlineExceededError`` raised (504 / DEADLINE_EXCEEDED).
+   ``DeadlineExceededError`` raised (504 / DEADLINE_EXCEEDED). A request of several sequences
+   (``n`` choices, beams: ``router/choices.py``, ``router/beam_search.py``) fixes its deadline
+   once (``Serving.deadline``) and passes it to each, and names itself as their admission
+   ``group``, so that the slots are shared fairly between requests, not sequences.
 3. Leaving the context early (client gone, task cancelled, error) aborts the backend request,
    so the engine frees its blocks; the slot and the client id are always released.
 4. Every request that reached ``stream``, refused, failed, cancelled or complete, ends as one
@@ -43,6 +46,7 @@ from pdserve.router.metrics_text import RouterMetrics
 from pdserve.router.request_observer import RequestObserver, tell_all
 from pdserve.router.tools import ToolRequest, render_messages
 from pdserve.router.validation import (
+    DEFAULT_MAX_CHOICES,
     ParsedRequest,
     TokenizeRequest,
     check_token_fields,
@@ -64,9 +68,12 @@ class ServingLimits:
 
     request_timeout_s: float | None = None  # None: no default deadline
     max_tokens_limit: int | None = None     # None: only the context length bounds max_tokens
+    max_choices: int = DEFAULT_MAX_CHOICES  # router.max_choices_per_request: sequences of one request
     structured: StructuredLimits = StructuredLimits()   # the `structured` section: a grammar's check
 
     def __post_init__(self) -> None:
+        if self.max_choices < 1:
+            raise ValueError(f"max_choices must be >= 1, got {self.max_choices}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -164,6 +171,8 @@ class Serving:
         """``/tokenize``: the ids a prompt (or a chat) would be served with."""
         check_model(req.model, self.info.name)
         if req.messages is not None:
+            # the chat endpoint's bound on the text (its count of messages is bounded when parsed)
+            check_prompt_chars(ParsedRequest(model=None, messages=req.messages), self.info.max_model_len)
             ids = await asyncio.to_thread(self._encode_chat, req.messages, req.add_generation_prompt)
             if req.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
                 ids = [self.tokenizer.bos_token_id, *ids]
@@ -224,16 +233,22 @@ class Serving:
         except InvalidRequestError as exc:
             raise InvalidParameterError(prefix + str(exc), param=field) from None
 
+    def deadline(self, client_deadline: float | None = None) -> float | None:
+        """A request's deadline, fixed as it starts: the earlier of the client's
+        ``time.monotonic()`` instant (None: none) and ``limits.request_timeout_s`` from now."""
+        timeout = self.limits.request_timeout_s
+        if timeout is None:
+            return client_deadline
+        server_deadline = time.monotonic() + timeout
+        return server_deadline if client_deadline is None else min(client_deadline, server_deadline)
+
     def stream(self, req: PreparedRequest, *, api: str, deadline: float | None = None,
-               scope: str = "") -> RequestStream:
+               scope: str = "", group: str | None = None) -> RequestStream:
         """``deadline`` is the client's ``time.monotonic()`` instant (None: none); the earlier of it
         and ``limits.request_timeout_s`` from now applies. ``scope`` is the client's tenant: client
-        ids must be unique among the live requests of one scope only."""
-        timeout = self.limits.request_timeout_s
-        if timeout is not None:
-            server_deadline = time.monotonic() + timeout
-            deadline = server_deadline if deadline is None else min(deadline, server_deadline)
-        return RequestStream(self, req, api, deadline, scope)
+        ids must be unique among the live requests of one scope only. ``group``: the client request
+        this sequence is part of (its admission share); None: the sequence is a request alone."""
+        return RequestStream(self, req, api, self.deadline(deadline), scope, group or req.request_id)
 
     def server_id(self, client_id: str, scope: str = "") -> str | None:
         """The server's id of the live request the client calls ``client_id`` (operators, tests)."""
@@ -276,9 +291,10 @@ class RequestStream:
     """One request's output. Use as ``async with serving.stream(req, api=...) as events``."""
 
     def __init__(self, serving: Serving, req: PreparedRequest, api: str, deadline: float | None,
-                 scope: str = "") -> None:
+                 scope: str = "", group: str | None = None) -> None:
         self._s = serving
         self._req = req
+        self._group = group or req.request_id  # its share of admission (router/admission.py)
         self._api = api
         self._deadline = deadline
         self._scope = scope
@@ -306,12 +322,12 @@ class RequestStream:
             if self._api == BATCH_API:
                 pass   # the Batch API's items: bounded by its runner's own limit, outside admission
             elif self._deadline is None:
-                await self._s.admission.acquire()
+                await self._s.admission.acquire(self._group)
                 self._admitted = True
             else:
                 try:
                     async with asyncio.timeout_at(self._loop_deadline()):
-                        await self._s.admission.acquire()
+                        await self._s.admission.acquire(self._group)
                     self._admitted = True
                 except TimeoutError:
                     raise DeadlineExceededError(f"the request's deadline passed while it waited for a slot "
@@ -337,7 +353,7 @@ class RequestStream:
             await asyncio.shield(self._close_backend())
         finally:
             if self._admitted:
-                self._s.admission.release()
+                self._s.admission.release(self._group)
             self._release_id()
             if isinstance(exc, PdserveError):
                 self._outcome, self._error = exc.error_type, exc

@@ -37,7 +37,8 @@ from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
 from pdserve.engine.structured import MAX_SPEC_CHARS, StructuredOutput, check_limits, choice_spec, json_depth
 from pdserve.router.errors import InvalidParameterError
 
-MAX_BEAM_WIDTH = 10  # beams keep the top 2 * width logprobs of a step (at most MAX_LOGPROBS)
+# Beam search reads the top 2 * width logprobs of each step: a technical bound, below the share cap.
+BEAM_WIDTH_LIMIT = MAX_LOGPROBS // 2
 from pdserve.router.tools import ToolRequest, check_message, parse_tools, tool_grammar
 
 MAX_TEMPERATURE = 2.0
@@ -46,6 +47,9 @@ MAX_REQUEST_ID_CHARS = 128
 # 3-5 characters per token, and even long runs of spaces or symbols seldom merge past 16-32.
 MAX_CHARS_PER_TOKEN = 32
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Messages in one chat (chat completions, /tokenize), as OpenAI's API: checking, rendering and
+# tokenizing tens of thousands of them would hold the router's event loop for a second.
+MAX_CHAT_MESSAGES = 2048
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_REQUEST_ID_CHARS)
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 # Fields we accept only at their "off" value: (name, allowed values, what to do instead).
@@ -85,7 +89,9 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
-MAX_CHOICES = 64   # n (or best_of) times the prompts of one request
+# The default of router.max_choices_per_request: the sequences (n or best_of times the prompts,
+# or beams) one request may run at once, each of which takes an admission slot.
+DEFAULT_MAX_CHOICES = 16
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "echo",
                                  "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
                                  "chat_template_kwargs"}
@@ -482,7 +488,24 @@ def _structured(name: str, kind: str, spec: str) -> StructuredOutput:
         raise _bad(name, str(exc)) from None
 
 
-def _common(body: Any, *, chat: bool) -> dict[str, Any]:
+def check_choices(count: int, max_choices: int, param: str, what: str) -> None:
+    """``count`` sequences of one request (``what`` says how they add up) against the server's
+    ``router.max_choices_per_request``: 400 naming the field and the setting above it."""
+    if count > max_choices:
+        raise InvalidParameterError(
+            f"{what} is {count} sequences, more than the {max_choices} one request may run on this server "
+            "(router.max_choices_per_request); ask for fewer or split the request",
+            param=param, code="too_many_choices")
+
+
+def _choice_count(body: dict, name: str, max_choices: int) -> int | None:
+    value = _opt_int(body, name, lo=1)
+    if value is not None:
+        check_choices(value, max_choices, name, f"'{name}'")
+    return value
+
+
+def _common(body: Any, *, chat: bool, max_choices: int = DEFAULT_MAX_CHOICES) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidParameterError("the request body must be a JSON object")
     model = body.get("model")
@@ -512,8 +535,8 @@ def _common(body: Any, *, chat: bool) -> dict[str, Any]:
         if not isinstance(options, dict):
             raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
         include_usage = bool(_opt_bool(options, "include_usage"))
-    n = _opt_int(body, "n", lo=1, hi=MAX_CHOICES) or 1
-    best_of = _opt_int(body, "best_of", lo=1, hi=MAX_CHOICES) if not chat else None
+    n = _choice_count(body, "n", max_choices) or 1
+    best_of = _choice_count(body, "best_of", max_choices) if not chat else None
     if best_of is not None and best_of < n:
         raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
     if best_of is not None and best_of > 1 and stream:
@@ -568,8 +591,9 @@ def _parse_beam(body: dict, sampling: dict, *, n: int, best_of: int | None, stre
         return 0, 1.0
     if penalty is not None and not -10.0 <= penalty <= 10.0:
         raise _bad("length_penalty", f"'length_penalty' must be between -10 and 10, got {penalty}")
-    if n > MAX_BEAM_WIDTH:
-        raise _bad("n", f"beam search keeps 'n' beams, at most {MAX_BEAM_WIDTH}, got {n}")
+    if n > BEAM_WIDTH_LIMIT:
+        raise _bad("n", f"beam search keeps 'n' beams, at most {BEAM_WIDTH_LIMIT} (each step reads the top "
+                        f"2n logprobs, at most {MAX_LOGPROBS}), got {n}")
     for name, bad in (("stream", stream), ("echo", echo), ("best_of", best_of is not None and best_of != n)):
         if bad:
             raise _bad(name, f"'{name}' cannot be combined with 'use_beam_search': the beams are known only at "
@@ -591,18 +615,18 @@ def parse_completion_body(body: Any) -> ParsedRequest:
     return requests[0]
 
 
-def parse_completion_bodies(body: Any) -> list[ParsedRequest]:
+def parse_completion_bodies(body: Any, *, max_choices: int = DEFAULT_MAX_CHOICES) -> list[ParsedRequest]:
     """Validate a ``/v1/completions`` body: one prompt (a string or a list of token ids) or a list
-    of them, each answered by its own choices (``n`` each, in order)."""
-    common = _common(body, chat=False)
+    of them, each answered by its own choices (``n`` each, in order); ``max_choices`` is
+    ``router.max_choices_per_request``."""
+    common = _common(body, chat=False, max_choices=max_choices)
     common["structured_field"] = structured_field(body)
     if "prompt" not in body:
         raise _bad("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
     prompt = body["prompt"]
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-    if len(prompts) * common["best_of"] > MAX_CHOICES:
-        raise _bad("prompt", f"{len(prompts)} prompts x {common['best_of']} choices is more than the "
-                             f"{MAX_CHOICES} one request may ask for; split it")
+    check_choices(len(prompts) * common["best_of"], max_choices, "prompt",
+                  f"{len(prompts)} prompts x {common['best_of']} choices")
     return [_one_prompt(p, common, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, p in enumerate(prompts)]
 
 
@@ -618,6 +642,13 @@ def _one_prompt(prompt: Any, common: dict, where: str) -> ParsedRequest:
             raise _bad("prompt", f"'{where}' must be a string or a list of integer token ids, not a mixed list")
         return ParsedRequest(prompt_token_ids=_token_ids(prompt, "prompt"), **common)
     raise _bad("prompt", f"'{where}' must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_message_count(messages: list) -> None:
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidParameterError(f"'messages' has {len(messages)} messages; one request may send at most "
+                                    f"{MAX_CHAT_MESSAGES}: shorten the conversation", param="messages",
+                                    code="too_many_messages")
 
 
 def _message(i: int, msg: Any) -> dict:
@@ -651,13 +682,14 @@ def _message(i: int, msg: Any) -> dict:
     raise _bad("messages", f"{where}.content must be a string or a list of text parts")
 
 
-def parse_chat_body(body: Any) -> ParsedRequest:
-    """Validate a ``/v1/chat/completions`` body."""
-    common = _common(body, chat=True)
+def parse_chat_body(body: Any, *, max_choices: int = DEFAULT_MAX_CHOICES) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body (``max_choices``: ``router.max_choices_per_request``)."""
+    common = _common(body, chat=True, max_choices=max_choices)
     common["structured_field"] = structured_field(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    check_message_count(messages)
     gen = _opt_bool(body, "add_generation_prompt")
     cont = bool(_opt_bool(body, "continue_final_message"))
     if cont and gen:
@@ -755,8 +787,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids: list[int] | None,
-                          fields: dict[str, Any], priority: Priority) -> ParsedRequest:
-    """Validate the gRPC ``Generate`` request's values (``fields``: the set sampling fields by name)."""
+                          fields: dict[str, Any], priority: Priority, *,
+                          max_choices: int = DEFAULT_MAX_CHOICES) -> ParsedRequest:
+    """Validate the gRPC ``Generate`` request's values (``fields``: the set sampling fields by name;
+    ``max_choices``: ``router.max_choices_per_request``)."""
     if prompt_text is None and prompt_token_ids is None:
         raise _bad("prompt", "set the prompt: either 'text' or 'token_ids'")
     if prompt_text is not None and not prompt_text:
@@ -764,8 +798,8 @@ def parse_generate_fields(model: str, prompt_text: str | None, prompt_token_ids:
     if prompt_token_ids is not None and not prompt_token_ids:
         raise _bad("prompt", "'token_ids' is empty; send at least one token id")
     max_tokens = _opt_int(fields, "max_tokens", lo=1)
-    n = _opt_int(fields, "n", lo=1, hi=MAX_CHOICES) or 1
-    best_of = _opt_int(fields, "best_of", lo=1, hi=MAX_CHOICES) or n
+    n = _choice_count(fields, "n", max_choices) or 1
+    best_of = _choice_count(fields, "best_of", max_choices) or n
     if best_of < n:
         raise _bad("best_of", f"'best_of' ({best_of}) must be at least 'n' ({n})")
     return ParsedRequest(model=model or None, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
@@ -813,6 +847,7 @@ def parse_tokenize_body(body: Any) -> TokenizeRequest:
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+        check_message_count(messages)
         messages = [_message(i, m) for i, m in enumerate(messages)]
     flags = {name: _opt_bool(body, name) for name in ("add_special_tokens", "add_generation_prompt",
                                                       "return_token_strs")}

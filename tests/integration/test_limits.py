@@ -6,7 +6,11 @@ ledger in Redis) behind HTTP and gRPC on 127.0.0.1, the tiny model.
   INVALID_ARGUMENT before it is tokenized.
 * ``router.request_timeout_s``: a generation longer than it ends with 504 (HTTP, an OpenAI error
   body; in a stream, a final error event) / DEADLINE_EXCEEDED (gRPC) after about the timeout,
-  and leaves no block held and no ledger entry live.
+  and leaves no block held and no ledger entry live. Beam search and ``n`` choices end at the same
+  deadline, however many sequences they run, also leaving nothing held.
+* ``router.max_choices_per_request`` (on a decode pool of 4 slots): a request over it is 400
+  naming the setting; a request of that many choices leaves room for a small one, which is
+  admitted and answered while the wide one runs.
 
 Each class has its own cluster (its own limits), stopped before the next one starts.
 """
@@ -20,7 +24,7 @@ import grpc
 import openai
 import pytest
 import requests
-from cluster_helpers import ClusterHarness, cluster_config
+from cluster_helpers import ClusterHarness, cluster_config, wait_until
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -30,6 +34,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 LIMIT = 48
 TIMEOUT_S = 2.0
 LONG = 3000  # tokens: well over TIMEOUT_S of decoding on any host
+SLOTS = 4        # the timed cluster's admission capacity: one decode replica of 4 sequences
+MAX_CHOICES = 3  # its router.max_choices_per_request
 
 
 def _harness(tiny_model, redis_url: str, **overrides) -> ClusterHarness:
@@ -50,7 +56,9 @@ def limited(tiny_model, ray_session, redis_server):
 
 @pytest.fixture(scope="class")
 def timed(tiny_model, ray_session, redis_server):
-    h = _harness(tiny_model, redis_server.url, **{"router.request_timeout_s": TIMEOUT_S})
+    h = _harness(tiny_model, redis_server.url, **{"router.request_timeout_s": TIMEOUT_S,
+                                                  "decode.engine.max_num_seqs": SLOTS, "decode.max_replicas": 1,
+                                                  "router.max_choices_per_request": MAX_CHOICES})
     try:
         yield h
         h.assert_nothing_held()
@@ -168,4 +176,120 @@ class TestRequestTimeout:
             cluster.openai().completions.create(model=cluster.model_name, prompt=PROMPT, max_tokens=LONG,
                                                 extra_body={"ignore_eos": True})
         assert info.value.status_code == 504
+        cluster.assert_nothing_held()
+
+    def test_beam_search_ends_at_the_deadline_and_leaves_nothing_held(self, cluster: ClusterHarness) -> None:
+        # thousands of one-token steps, each far shorter than the deadline: the search's own deadline ends it
+        t0 = time.monotonic()
+        resp = requests.post(cluster.http_url + "/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "use_beam_search": True, "n": MAX_CHOICES})
+        elapsed = time.monotonic() - t0
+        assert resp.status_code == 504, resp.text[:300]
+        assert resp.json()["error"]["type"] == "timeout_error"
+        assert elapsed < TIMEOUT_S + 3.0, elapsed
+        print(f"beam search: HTTP 504 after {elapsed:.2f} s (request_timeout_s={TIMEOUT_S})")
+        cluster.assert_nothing_held()
+
+    @pytest.mark.parametrize("path, body", [
+        ("/v1/completions", {"prompt": PROMPT, "n": MAX_CHOICES}),
+        ("/v1/completions", {"prompt": [PROMPT, "Once upon a time"], "n": 1, "best_of": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES}),
+    ])
+    def test_several_choices_end_at_the_deadline_and_leave_nothing_held(self, cluster: ClusterHarness, path: str,
+                                                                        body: dict) -> None:
+        t0 = time.monotonic()
+        resp = requests.post(cluster.http_url + path, json={**body, "max_tokens": LONG, "ignore_eos": True},
+                             timeout=120)
+        elapsed = time.monotonic() - t0
+        assert resp.status_code == 504, resp.text[:300]
+        assert resp.json()["error"]["type"] == "timeout_error"
+        assert elapsed < TIMEOUT_S + 3.0, elapsed
+        cluster.assert_nothing_held()
+
+    def test_grpc_choices_end_at_the_deadline(self, cluster: ClusterHarness) -> None:
+        with grpc.insecure_channel(cluster.grpc_target) as channel:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                    text=PROMPT, sampling=pb.SamplingParams(max_tokens=LONG, ignore_eos=True, n=MAX_CHOICES))))
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+            assert time.monotonic() - t0 < TIMEOUT_S + 3.0
+        cluster.assert_nothing_held()
+
+    def test_more_choices_than_the_setting_is_400_naming_it(self, cluster: ClusterHarness) -> None:
+        for path, body in [("/v1/completions", {"prompt": PROMPT, "n": MAX_CHOICES + 1}),
+                           ("/v1/completions", {"prompt": [PROMPT] * 2, "n": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "n": MAX_CHOICES + 1, "use_beam_search": True})]:
+            resp = requests.post(cluster.http_url + path, json={**body, "max_tokens": 2}, timeout=30)
+            err = resp.json()["error"]
+            assert resp.status_code == 400 and err["code"] == "too_many_choices", err
+            assert "router.max_choices_per_request" in err["message"] and str(MAX_CHOICES) in err["message"], err
+        with grpc.insecure_channel(cluster.grpc_target) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                    text=PROMPT, sampling=pb.SamplingParams(max_tokens=2, n=MAX_CHOICES + 1)), timeout=30))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "router.max_choices_per_request" in info.value.details()
+
+    def test_a_wide_request_does_not_delay_a_small_ones_admission(self, cluster: ClusterHarness) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert cluster.service.serving.admission.config.max_in_flight == SLOTS
+
+        def post(body: dict) -> tuple[int, float]:
+            resp = requests.post(cluster.http_url + "/v1/completions", json=body, timeout=120)
+            return resp.status_code, time.monotonic()
+
+        with ThreadPoolExecutor(2) as pool:
+            t0 = time.monotonic()
+            wide = pool.submit(post, {"prompt": PROMPT, "n": MAX_CHOICES, "max_tokens": LONG, "ignore_eos": True})
+            wait_until(lambda: cluster.service.serving.admission.in_flight == MAX_CHOICES, timeout_s=TIMEOUT_S,
+                       what="the wide request's choices to take their slots")
+            sent = time.monotonic()
+            status, small_done = post({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+            wide_status, wide_done = wide.result(60)
+        print(f"small request: sent {sent - t0:.2f} s after the wide one, answered in {small_done - sent:.2f} s; "
+              f"the wide one ended at {wide_done - t0:.2f} s")
+        assert status == 200
+        assert small_done < wide_done - 0.2 and small_done - sent < TIMEOUT_S / 2
+        assert wide_status == 504     # the wide one ran on until its deadline
+        cluster.assert_nothing_held()
+
+    def test_a_freed_slot_goes_to_a_small_request_before_a_wide_ones_rest(self, cluster: ClusterHarness) -> None:
+        # all 4 slots taken: a long request, a stream the test will close, and 2 of a wide request's
+        # 3 choices (its third waits); a small request then waits too. The stream's slot frees:
+        # it goes to the small request (holding none), not to the wide one's third choice (in line
+        # first, but its request holds two), so the small one is answered long before the deadline.
+        from concurrent.futures import ThreadPoolExecutor
+
+        admission = cluster.service.serving.admission
+
+        def post(body: dict) -> tuple[int, float]:
+            resp = requests.post(cluster.http_url + "/v1/completions", json=body, timeout=120)
+            return resp.status_code, time.monotonic()
+
+        long_body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+        with ThreadPoolExecutor(3) as pool:
+            t0 = time.monotonic()
+            alone = pool.submit(post, long_body)
+            stream = requests.post(cluster.http_url + "/v1/completions", json={**long_body, "stream": True},
+                                   stream=True, timeout=120)
+            lines = stream.iter_lines()   # kept: a dropped iterator would close the stream
+            next(lines)                                                   # it runs: 2 slots taken
+            wide = pool.submit(post, {**long_body, "n": MAX_CHOICES})
+            wait_until(lambda: (admission.in_flight, admission.queued) == (SLOTS, 1), timeout_s=TIMEOUT_S / 2,
+                       what="the wide request's third choice to wait", interval_s=0.005)
+            small = pool.submit(post, {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+            wait_until(lambda: admission.queued == 2, timeout_s=TIMEOUT_S / 2, what="the small request to wait",
+                       interval_s=0.005)
+            freed = time.monotonic()
+            stream.close()                                                # its slot frees
+            status, small_done = small.result(60)
+            wide_status, wide_done = wide.result(60)
+            assert alone.result(60)[0] == 504
+        print(f"small request answered {small_done - freed:.2f} s after a slot freed "
+              f"({freed - t0:.2f} s in); the wide one ended at {wide_done - t0:.2f} s")
+        assert status == 200 and wide_status == 504
+        assert small_done < wide_done - 0.2 and small_done - freed < TIMEOUT_S / 2
         cluster.assert_nothing_held()

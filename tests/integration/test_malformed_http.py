@@ -25,7 +25,7 @@ from log_records import LogRecords
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.router.http_server import start_http_server
+from pdserve.router.http_server import HttpServer, start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 MAX_BODY = 1024 * 1024
 BODY_TIMEOUT_S = 1.0
+HEADER_TIMEOUT_S = 1.5
 GOOD = json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0}).encode()
 
 
@@ -41,6 +42,7 @@ class Server:
     port: int
     engine: LLMEngine
     backend: LocalEngineBackend
+    http: HttpServer
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +70,11 @@ def server(tiny_model, log_records):
 
     async def start():
         serving = Serving(backend, tokenizer=load_tokenizer(tiny_model))
-        return await start_http_server(serving, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT_S)
+        return await start_http_server(serving, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT_S,
+                                       header_timeout_s=HEADER_TIMEOUT_S)
 
     http = call(start())
-    yield Server(http.port, engine, backend)
+    yield Server(http.port, engine, backend, http)
     call(http.stop())
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
@@ -276,3 +279,100 @@ def test_a_body_that_never_arrives_gets_408_and_the_connection_closed(server: Se
 ])
 def test_a_bad_stream_resume_is_400(server: Server, headers: dict, fields: dict, words: str) -> None:
     assert_refused(send(server.port, body_with(stream=True, **fields), headers=headers), 400, words)
+
+
+# ------------------------------------------------------------------ headers that never end (slow-loris)
+def _closed_after(sock: socket.socket, trickle: bytes, every_s: float, limit_s: float) -> float | None:
+    """Send ``trickle`` a byte every ``every_s``, then nothing; the seconds until the server closed
+    the connection (None: still open after ``limit_s``)."""
+    t0 = time.monotonic()
+    sock.settimeout(every_s)
+    sent = 0
+    while time.monotonic() - t0 < limit_s:
+        if sent < len(trickle):
+            try:
+                sock.sendall(trickle[sent:sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0
+            sent += 1
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - t0
+    return None
+
+
+def test_headers_sent_slowly_get_the_connection_closed_after_the_header_timeout(server: Server) -> None:
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "X-Slow: " + "a" * 200 + "\r\n").encode()   # never ends: a byte every 0.2 s
+    before = server.http.header_deadlines.closed_total
+    conns = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(20)]
+    try:
+        for sock in conns[1:]:
+            sock.sendall(head[:10])
+        took = _closed_after(conns[0], head, 0.2, HEADER_TIMEOUT_S + 5)
+        assert took is not None and HEADER_TIMEOUT_S - 0.1 <= took < HEADER_TIMEOUT_S + 2, took
+        for sock in conns[1:]:  # every other slow connection is closed too
+            assert _closed_after(sock, b"", 0.2, 5) is not None
+    finally:
+        for sock in conns:
+            sock.close()
+    assert server.http.header_deadlines.closed_total - before == len(conns)
+    assert send(server.port, GOOD).status == 200  # and the server serves on
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(server: Server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        took = _closed_after(sock, b"", 0.2, HEADER_TIMEOUT_S + 5)
+    assert took is not None and took < HEADER_TIMEOUT_S + 2, took
+
+
+def test_a_kept_alive_connection_gets_the_header_timeout_afresh_for_each_request(server: Server) -> None:
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(GOOD)) + GOOD
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        time.sleep(HEADER_TIMEOUT_S / 2)           # part of the first head's time, idle
+        sock.sendall(request)
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
+        time.sleep(HEADER_TIMEOUT_S * 0.8)         # idle between requests: the keep-alive timer's business
+        t0 = time.monotonic()
+        sock.sendall(request[:20])                 # the next head starts, and stalls
+        took = _closed_after(sock, b"", 0.2, HEADER_TIMEOUT_S + 5)
+    assert took is not None and HEADER_TIMEOUT_S - 0.3 <= time.monotonic() - t0 < HEADER_TIMEOUT_S + 2, took
+
+
+def test_a_request_that_outlives_the_header_timeout_is_not_cut(server: Server) -> None:
+    # the head just in time, the body just within its own timeout: the connection lives past the
+    # header timeout, and the request is answered
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(GOOD))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        t0 = time.monotonic()
+        time.sleep(HEADER_TIMEOUT_S - 0.5)
+        sock.sendall(head)
+        time.sleep(BODY_TIMEOUT_S * 0.7)
+        sock.sendall(GOOD)
+        assert time.monotonic() - t0 > HEADER_TIMEOUT_S
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert parse_reply(data).status == 200
+
+
+# ------------------------------------------------------------------ /tokenize bounds its messages
+def test_tokenize_with_too_many_messages_is_400_at_once(server: Server) -> None:
+    from pdserve.router.validation import MAX_CHAT_MESSAGES
+
+    many = json.dumps({"messages": [{"role": "user", "content": "x"}] * 25_000}).encode()
+    t0 = time.monotonic()
+    reply = send(server.port, many, path="/tokenize")
+    assert_refused(reply, 400, f"at most {MAX_CHAT_MESSAGES}")
+    assert reply.body["error"]["param"] == "messages" and time.monotonic() - t0 < 2.0
+    chat = json.dumps({"messages": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)}).encode()
+    assert_refused(send(server.port, chat, path="/v1/chat/completions"), 400, f"at most {MAX_CHAT_MESSAGES}")
+    few = json.dumps({"messages": [{"role": "user", "content": "x"}] * 3}).encode()
+    assert send(server.port, few, path="/tokenize").body["count"] > 3

@@ -168,3 +168,96 @@ def test_a_request_log_entry_reads_back_as_the_record() -> None:
     assert r.to_dict()["finish_reason"] == "stop" and "itl_s" not in r.to_dict()
     refused = RequestRecord("s2", "c2", "http", "overloaded", error="full")
     assert RequestRecord.from_dict(refused.to_dict()) == refused
+
+
+class BeamBackend(ScriptedBackend):
+    """Every request is one token (beam search's steps) with logprobs, after ``delay_s``; the
+    requests after the first ``hang_after`` answer only an abort (a worker stuck on them)."""
+
+    def __init__(self, tokenizer_dir: str, delay_s: float) -> None:
+        super().__init__(tokenizer_dir, [], delay_s)
+        self.hang_after = 10**9    # steps answered before the next ones hang
+        self.live: set[str] = set()
+
+    async def generate(self, req):
+        self.started.append(req.request_id)
+        self.live.add(req.request_id)
+        try:
+            await asyncio.sleep(self.delay_s)
+            while len(self.started) > self.hang_after and req.request_id not in self.aborted:
+                await asyncio.sleep(0.01)
+            if req.request_id in self.aborted:
+                yield Finished("abort", RequestPhase(output_tokens=0))
+                return
+            tok = 10 + len(req.prompt_token_ids) % 7
+            yield TokenDelta([tok], [{tok: -0.1, tok + 1: -0.5, tok + 2: -0.9, tok + 3: -1.5}])
+            yield Finished("length", RequestPhase(output_tokens=1))
+        finally:
+            self.live.discard(req.request_id)
+            self.closed += 1
+
+
+@pytest.mark.parametrize("hang_after", [None, 7])
+def test_beam_search_ends_at_the_requests_deadline_and_aborts_every_step(tiny_model, tokenizer,
+                                                                        hang_after: int | None) -> None:
+    """Each step is far shorter than the deadline (or one step hangs): the search still ends at
+    the deadline it fixed as it started, with the timeout error, every step request aborted and
+    every slot given back."""
+    import time
+
+    from pdserve.router.beam_search import beam_search
+    from pdserve.router.serving import ServingLimits
+
+    backend = BeamBackend(str(tiny_model), delay_s=0.005)
+    if hang_after is not None:
+        backend.hang_after = hang_after
+    serving = Serving(backend, tokenizer=tokenizer, limits=ServingLimits(request_timeout_s=0.4))
+
+    async def go() -> float:
+        prepared = await serving.prepare(parse_completion_body({"prompt": "x", "max_tokens": 400}), "b",
+                                         default_max_tokens=16)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            await beam_search(serving, prepared, 2, 1.0, eos_token_ids=frozenset(), api="test")
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.35 < took < 1.0, took
+    assert len(backend.started) > 4 and not backend.live and backend.closed == len(backend.started)
+    assert (serving.admission.in_flight, serving.admission.queued) == (0, 0)
+
+
+def test_choices_share_one_deadline_and_one_admission_group(tiny_model, tokenizer) -> None:
+    """Later choices (they start after the first one's first token) end at the response's
+    deadline, not at one of their own; none holds a slot afterwards."""
+    import time
+
+    from pdserve.router.choices import ChoiceRequest, fork, run_choices
+    from pdserve.router.serving import ServingLimits
+
+    backend = ScriptedBackend(str(tiny_model), list(range(10, 400)), delay_s=0.02)
+    serving = Serving(backend, tokenizer=tokenizer, limits=ServingLimits(request_timeout_s=0.5))
+    seen_groups: set = set()
+    acquire = serving.admission.acquire
+
+    async def spy(group=None):
+        seen_groups.add(group)
+        await acquire(group)
+
+    serving.admission.acquire = spy
+
+    async def go() -> float:
+        prepared = await serving.prepare(parse_completion_body({"prompt": "x", "max_tokens": 300}), "c",
+                                         default_max_tokens=16)
+        choices = [ChoiceRequest(j, 0, fork(prepared, j, j)) for j in range(3)]
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            async for _ in run_choices(serving, choices, api="test"):
+                pass
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.45 < took < 0.8, took
+    assert len(seen_groups) == 1 and len(backend.started) == 3 and backend.closed == 3
+    assert sorted(backend.aborted) == sorted(backend.started)
+    assert (serving.admission.in_flight, serving.admission.queued) == (0, 0)

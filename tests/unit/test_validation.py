@@ -119,7 +119,7 @@ def test_stop_string_alone_becomes_a_tuple() -> None:
     (completion(stream_options={"include_usage": True}), "stream_options", "only allowed when 'stream' is true"),
     (completion(logprobs=21), "logprobs", "at most 20"),
     (completion(n=0), "n", "at least 1"),
-    (completion(n=65), "n", "at most 64"),
+    (completion(n=17), "n", "router.max_choices_per_request"),
     (completion(n=3, best_of=2), "best_of", "at least 'n'"),
     (completion(best_of=2, stream=True), "best_of", "cannot be streamed"),
     (completion(echo=True, logprobs=1, stream=True), "echo", "cannot be streamed"),
@@ -384,6 +384,45 @@ def test_several_prompts_n_best_of_and_echo_parse() -> None:
         ("a", None, 2, 3, True), (None, [5, 6], 2, 3, True)]
     one = parse_chat_body(chat(n=4))
     assert (one.n, one.best_of, one.echo) == (4, 4, False)
+
+
+def test_one_requests_sequences_are_capped_by_the_setting_named_in_the_400() -> None:
+    from pdserve.router.validation import DEFAULT_MAX_CHOICES, parse_completion_bodies
+
+    assert parse_chat_body(chat(n=DEFAULT_MAX_CHOICES)).n == DEFAULT_MAX_CHOICES
+    assert parse_chat_body(chat(n=40), max_choices=40).n == 40            # a configured larger share
+    cases = [
+        (lambda: parse_chat_body(chat(n=5), max_choices=4), "n", "'n' is 5 sequences, more than the 4"),
+        (lambda: parse_completion_bodies(completion(n=2, best_of=9), max_choices=8), "best_of", "'best_of' is 9"),
+        (lambda: parse_completion_bodies(completion(prompt=["a", "b", "c"], n=3), max_choices=8), "prompt",
+         "3 prompts x 3 choices is 9 sequences"),
+        (lambda: parse_chat_body(chat(n=5, use_beam_search=True), max_choices=4), "n", "more than the 4"),
+        (lambda: parse_generate_fields("", "hi", None, {"n": 3}, Priority.INTERACTIVE, max_choices=2), "n",
+         "more than the 2"),
+    ]
+    for parse, param, words in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            parse()
+        assert info.value.param == param and info.value.code == "too_many_choices", info.value
+        assert words in str(info.value) and "router.max_choices_per_request" in str(info.value), str(info.value)
+
+
+def test_beam_width_is_bounded_by_the_logprobs_a_step_reads() -> None:
+    assert parse_chat_body(chat(n=10, use_beam_search=True)).beam_width == 10
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_body(chat(n=11, use_beam_search=True))
+    assert info.value.param == "n" and "at most 10" in str(info.value) and "logprobs" in str(info.value)
+
+
+def test_a_chat_or_tokenize_with_too_many_messages_is_400_before_any_message_is_read() -> None:
+    from pdserve.router.validation import MAX_CHAT_MESSAGES, parse_tokenize_body
+
+    many = [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)
+    for parse in (lambda: parse_chat_body(chat(messages=many)), lambda: parse_tokenize_body({"messages": many})):
+        with pytest.raises(InvalidRequestError) as info:
+            parse()
+        assert info.value.param == "messages" and f"at most {MAX_CHAT_MESSAGES}" in str(info.value)
+    assert len(parse_tokenize_body({"messages": many[:MAX_CHAT_MESSAGES]}).messages) == MAX_CHAT_MESSAGES
 
 
 def test_vllms_structured_outputs_field_maps_to_the_guided_ones() -> None:
