@@ -72,9 +72,10 @@ class Stack:
     def call(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def start_runner(self, max_concurrent: int = 4) -> None:
+    def start_runner(self, max_concurrent: int = 4, lease_s: float = 15.0) -> None:
         async def go():
-            self.runner = BatchRunner(self.serving, self.store, poll_s=0.05, max_concurrent=max_concurrent)
+            self.runner = BatchRunner(self.serving, self.store, poll_s=0.05, max_concurrent=max_concurrent,
+                                      lease_s=lease_s)
             self.runner_task = asyncio.get_running_loop().create_task(self.runner.run())
         self.call(go())
 
@@ -609,6 +610,36 @@ def test_a_64_mib_batch_is_created_without_stalling_the_event_loop(stack: Stack)
 
 
 # ------------------------------------------------------------------------ several routers
+def test_a_runner_that_lost_an_items_lease_drops_it_and_the_item_is_answered_once(stack: Stack) -> None:
+    """A runner stalled past its lease finds, at its next renewal, that another runner has the item:
+    it drops it (no second result), and the item is run by the lease's holder (here: nobody, so
+    it is claimed again once that lease expires)."""
+    stack.kill_runner()
+    stack.start_runner(lease_s=1.5)          # renewed every 0.5 s
+    try:
+        client = stack.openai()
+        lines = [dict(x, body=dict(x["body"], max_tokens=400)) for x in requests(PROMPTS[:8], "lost")]
+        b = submit(client, lines)
+        end = time.monotonic() + 60
+        while not (held := [k for k in stack.client.keys(f"bt:batch:{b.id}:lease:*")
+                            if stack.client.get(k) == stack.runner.holder.encode()]):
+            assert time.monotonic() < end, "no item started"
+            time.sleep(0.01)
+        index = int(held[0].rsplit(b":", 1)[1])
+        stack.client.set(held[0], "another-runner", px=3000)     # taken over while this one "stalled"
+        while (b.id, index) in stack.runner._running:
+            assert time.monotonic() < end, "the runner kept an item whose lease it lost"
+            time.sleep(0.01)
+        assert index not in {i for i, _, _ in stack.store.results(b.id)}   # dropped, not answered
+        done = wait_status(client, b.id, {"completed"})
+        assert set(results(client, done.output_file_id)) == {x["custom_id"] for x in lines}
+        assert stack.store.claims(b.id)[index] == 2
+    finally:
+        stack.kill_runner()
+        stack.start_runner()
+    wait_free(stack)
+
+
 def test_three_routers_run_each_item_once_and_take_over_a_killed_ones_items(stack: Stack, tiny_model,
                                                                              tmp_path) -> None:
     """Three router processes, each with its batch runner, share the batches of one Redis: each
