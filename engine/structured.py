@@ -134,7 +134,7 @@ def _grammar(s: StructuredOutput) -> Any:
         raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _JSON_BRACKETS = re.compile(r"[\[\]{}]")
 # Escapes and character classes of a regex (and quoted strings of EBNF) hold no groups.
 _REGEX_INERT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]", re.S)

@@ -154,6 +154,9 @@ async def respond(serving: Serving, url: str, body: dict, client_id: str,
         parsed = parsed_list[0]
         if len(parsed_list) > 1 or parsed.n > 1 or parsed.best_of > 1 or parsed.echo:
             raise _bad("n", "a batch request has one prompt and one choice (no n, best_of, echo or prompt lists)")
+        if parsed.beam_width:
+            raise _bad("use_beam_search", "a batch request cannot use beam search; send it to "
+                                          "/v1/completions or /v1/chat/completions directly")
         parsed = replace(parsed, priority=Priority.BATCH)
         prepared = replace(await serving.prepare(parsed, client_id, default_max_tokens=None if chat else 16),
                            owner=owner)

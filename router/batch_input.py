@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from itertools import accumulate
 
+from pdserve.engine.structured import json_depth
 from pdserve.router import errors
 from pdserve.router.errors import InvalidParameterError
 
@@ -36,9 +36,6 @@ MAX_CUSTOM_ID_CHARS = 512
 
 _BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 _FILE_ID = re.compile(r"file-[0-9a-f]{32}")
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -99,21 +96,11 @@ def _whole_line(parts: list[bytes], overlong: bool) -> bytes | None | bool:
     return line if line.strip() else False
 
 
-def json_depth(text: str) -> int:
-    """How deep arrays and objects nest in the JSON text (0: a scalar), read without parsing it:
-    strings are removed, then the brackets left are counted. Text that is not JSON gets a
-    number too (the parser refuses it later)."""
-    if text.count("[") + text.count("{") == 0:
-        return 0
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
-
-
 def too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether the JSON text nests deeper than ``limit`` (cheap when it has few brackets)."""
     if text.count("[") + text.count("{") <= limit:
         return False
-    return json_depth(text) > limit
+    return json_depth(text, limit) > limit
 
 
 def has_lone_surrogate(value: object) -> bool:

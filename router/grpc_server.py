@@ -29,7 +29,7 @@ from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.backend import Finished
 from pdserve.router.choices import ChoiceRequest, fork, run_choices
-from pdserve.router.serving import Chunk, PreparedRequest, Serving, client_scope
+from pdserve.router.serving import Chunk, PreparedRequest, Serving
 from pdserve.router.validation import (DEFAULT_MAX_CHOICES, ParsedRequest, check_request_id, max_prompt_chars,
                                        parse_generate_fields)
 
@@ -155,10 +155,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._serving = serving
         self._auth = auth or ApiKeyAuth()
 
-    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
-        if not self._auth.enabled:
-            return
-        self._auth.check(self._metadata(context).get("authorization"))
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's owner id (``router/auth.py``): it scopes the client's request ids."""
+        return self._auth.check(self._metadata(context).get("authorization"))
 
     @staticmethod
     def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -171,7 +170,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
-            self._check_auth(context)
+            # Ids are scoped per tenant (its owner id); without keys every client shares one scope.
+            scope = self._check_auth(context)
             if isinstance(request, MalformedMessage):
                 raise request.error()
             rid = check_request_id(request.request_id) if request.request_id else f"grpc-{uuid.uuid4().hex}"
@@ -187,8 +187,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                 prepared = replace(prepared, resume_from=request.resume_from)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
-            # Ids are scoped per API key; without authentication every client shares one scope.
-            scope = client_scope(self._metadata(context).get("authorization")) if self._auth.enabled else ""
             echo = ""
             if parsed.echo:
                 echo = parsed.prompt_text if parsed.prompt_text is not None else \
@@ -308,12 +306,21 @@ async def _follow_health(serving: Serving, servicer: health.aio.HealthServicer, 
         last = await _update_health(serving, servicer, last)
 
 
+# Connections that do nothing are not kept forever (the HTTP side's keep-alive and header
+# timeouts): an idle connection closes after 5 minutes, the server pings every minute to find
+# peers that vanished (20 s to answer), and one connection carries at most 256 calls at once
+# (more wait in the client's HTTP/2 flow control; generation is bounded by admission anyway).
+CONNECTION_OPTIONS = (("grpc.max_connection_idle_ms", 300_000), ("grpc.keepalive_time_ms", 60_000),
+                      ("grpc.keepalive_timeout_ms", 20_000), ("grpc.max_concurrent_streams", 256))
+
+
 async def start_grpc_server(serving: Serving, *, host: str = "127.0.0.1", port: int = 0,
                             auth: ApiKeyAuth | None = None, credentials: grpc.ServerCredentials | None = None,
                             health_poll_s: float = 2.0) -> GrpcServer:
     """Start serving; ``port=0`` picks a free port (see ``GrpcServer.port``)."""
     limit = max_message_bytes(serving.info.max_model_len)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
+                                      *CONNECTION_OPTIONS])
     add_generation_service(GenerationService(serving, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

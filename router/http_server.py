@@ -33,7 +33,7 @@ from pdserve.router.openai_format import ResponseBuilder, usage_totals
 from pdserve.router.header_timeout import HeaderDeadlineStats, with_header_deadline
 from pdserve.router.rejection_log import RejectionLog
 from pdserve.router.backend import Finished
-from pdserve.router.serving import Chunk, Serving, client_scope
+from pdserve.router.serving import Chunk, Serving
 from pdserve.router import batch_api, batch_input
 from pdserve.router.batch_api import BatchStore
 from pdserve.router.beam_search import beam_search
@@ -51,6 +51,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 KEEPALIVE_TIMEOUT_S = 75.0
 _SERVING = web.AppKey("serving", Serving)
 _AUTH = web.AppKey("auth", ApiKeyAuth)
+_OWNER = web.RequestKey("owner", str)  # the request's owner id, set by _check_auth
 _MAX_BODY = web.AppKey("max_body", int)
 _BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 _REJECTIONS = web.AppKey("rejections", RejectionLog)
@@ -119,8 +120,12 @@ async def _read_json(request: web.Request) -> object:
     return parse_json(await read_body(request, request.app[_MAX_BODY], request.app[_BODY_TIMEOUT]))
 
 
-def _check_auth(request: web.Request) -> None:
-    request.app[_AUTH].check(request.headers.get("Authorization"))
+def _check_auth(request: web.Request) -> str:
+    """The caller's owner id (``router/auth.py``), kept on the request: it scopes the client's
+    request ids and names the tenant in the request log."""
+    owner = request.app[_AUTH].check(request.headers.get("Authorization"))
+    request[_OWNER] = owner
+    return owner
 
 
 def _resume_from(request: web.Request, client_id_given: bool) -> int | None:
@@ -180,9 +185,7 @@ async def _generate(request: web.Request, parsed: ParsedRequest, *, chat: bool) 
                               prompt_logprobs=parsed.prompt_logprobs,
                               echo=_echo_text(parsed, prepared.prompt_token_ids, serving.tokenizer),
                               return_token_ids=parsed.return_token_ids)
-    # Ids are scoped per API key; without authentication every client shares one scope.
-    auth = request.app[_AUTH]
-    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    scope = request[_OWNER]  # ids are scoped per tenant; without keys every client shares one scope
     async with serving.stream(prepared, api="http", scope=scope) as events:
         if not parsed.stream:
             chunks: list[Chunk] = []
@@ -271,8 +274,7 @@ async def _generate_beams(request: web.Request, parsed: list[ParsedRequest], *, 
     _refuse_resume(request, "beam search")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     client_id = _client_id(request, parsed[0], rid)
-    auth = request.app[_AUTH]
-    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    scope = request[_OWNER]  # ids are scoped per tenant; without keys every client shares one scope
     eos = frozenset(serving.info.eos_token_ids)
     deadline = serving.deadline()   # one for the whole response, all prompts' searches together
     out_choices, extras, prompt_tokens, completion = [], [], 0, 0
@@ -316,8 +318,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
             prep = dataclasses.replace(prep, params=dataclasses.replace(prep.params, logprobs=0))
         choices += [ChoiceRequest(g * best_of + j, g, fork(prep, j, g * best_of + j)) for j in range(best_of)]
     echo = [_echo_text(p, pp.prompt_token_ids, serving.tokenizer) for p, pp in zip(parsed, prepared)]
-    auth = request.app[_AUTH]
-    scope = client_scope(request.headers.get("Authorization")) if auth.enabled else ""
+    scope = request[_OWNER]  # ids are scoped per tenant; without keys every client shares one scope
     events = run_choices(serving, choices, api="http", scope=scope)
     usage_prompt = sum(len(p.prompt_token_ids) for p in prepared)
 

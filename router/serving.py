@@ -248,6 +248,8 @@ class Serving:
         and ``limits.request_timeout_s`` from now applies. ``scope`` is the client's tenant: client
         ids must be unique among the live requests of one scope only. ``group``: the client request
         this sequence is part of (its admission share); None: the sequence is a request alone."""
+        if scope and not req.owner:  # the tenant names itself in the request log
+            req = replace(req, owner=scope)
         return RequestStream(self, req, api, self.deadline(deadline), scope, group or req.request_id)
 
     def server_id(self, client_id: str, scope: str = "") -> str | None:
@@ -271,14 +273,6 @@ def resume_key(scope: str, client_id: str) -> str:
     if not client_id:
         return ""
     return hashlib.sha256(f"{scope}\0{client_id}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
-
-
-def client_scope(authorization: str | None) -> str:
-    """The scope of a client's request ids: a digest of its credential ("" without one), so that
-    tenants with different API keys never see each other's ids; the key itself is not kept."""
-    if not authorization:
-        return ""
-    return hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 # The ``api`` of the Batch API runner's items (``router/batch_api.py``): they take no admission

@@ -713,3 +713,15 @@ def test_three_routers_run_each_item_once_and_take_over_a_killed_ones_items(stac
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(30)
+
+
+def test_a_batch_item_asking_for_choices_or_beams_is_answered_400_naming_the_parameter(stack: Stack) -> None:
+    """A batch item is one prompt and one choice: ``n`` and beam search are refused per item, never
+    run as a plain request with the parameter ignored."""
+    from pdserve.router import batch_api
+
+    for extra, param in (({"n": 2}, "n"), ({"use_beam_search": True}, "use_beam_search")):
+        body = {"model": "tiny", "prompt": "Say", "max_tokens": 2, **extra}
+        status, out = stack.call(batch_api.respond(stack.serving, "/v1/completions", body, "cid-1"))
+        assert status == 400, (extra, out)
+        assert out["error"]["param"] == param, out

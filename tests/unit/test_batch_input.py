@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.engine.errors import AuthenticationError
 from pdserve.router import batch_api, batch_input
+from pdserve.engine.structured import json_depth
 from pdserve.router.auth import ANONYMOUS, ApiKeyAuth, owner_id
 from pdserve.router.errors import InvalidParameterError, RequestTooLargeError
 
@@ -44,10 +45,10 @@ def test_line_numbers_are_the_files_own_blank_lines_included() -> None:
 
 
 def test_depth_is_read_without_parsing_and_strings_do_not_count() -> None:
-    assert batch_input.json_depth('{"a": [1, {"b": []}]}') == 4
-    assert batch_input.json_depth('"[[[[" ') == 0
-    assert batch_input.json_depth('{"a": "[[[[\\"[[[", "b": [[]]}') == 3
-    assert batch_input.json_depth("[" * 5000 + "]" * 5000) == 5000
+    assert json_depth('{"a": [1, {"b": []}]}') == 4
+    assert json_depth('"[[[[" ') == 0
+    assert json_depth('{"a": "[[[[\\"[[[", "b": [[]]}') == 3
+    assert json_depth("[" * 5000 + "]" * 5000, limit=10_000) == 5000
     assert not batch_input.too_deep(nested(batch_input.MAX_JSON_DEPTH - 2))
     assert batch_input.too_deep(nested(batch_input.MAX_JSON_DEPTH + 1))
 

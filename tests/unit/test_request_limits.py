@@ -12,7 +12,8 @@ import pytest
 from pdserve.engine.errors import DeadlineExceededError
 from pdserve.router.disagg_backend import DisaggBackend
 from pdserve.router.errors import DuplicateRequestIdError, InvalidParameterError
-from pdserve.router.serving import Serving, ServingLimits, client_scope
+from pdserve.router.auth import owner_id
+from pdserve.router.serving import Serving, ServingLimits
 from pdserve.router.validation import (
     MAX_CHARS_PER_TOKEN,
     check_prompt_chars,
@@ -67,7 +68,7 @@ def test_a_live_duplicate_id_is_refused_in_its_scope_only_and_free_again_after(t
             assert first.request_id not in str(exc.value)
             assert serving.server_id("dup") == first.request_id
             other_tenant = await serving.prepare(parse_completion_body(body), "dup", default_max_tokens=16)
-            async with serving.stream(other_tenant, api="test", scope=client_scope("Bearer other")) as ev2:
+            async with serving.stream(other_tenant, api="test", scope=owner_id("other")) as ev2:
                 [e async for e in ev2]
             [e async for e in events]
         assert serving.admission.in_flight == 0
