@@ -17,6 +17,9 @@ The cases (``--cases``, comma-separated; default all):
 1. ``json-deep``: a ``guided_json`` schema sent as text, an array's ``items`` nested 900 deep;
 2. ``json-props``: a schema with 1,200 optional properties;
 3. ``regex-rep``: ``guided_regex`` ``[^x]{0,65535}``;
+
+   (the property names and the excluded character change from round to round, so that every
+   round compiles its grammar instead of meeting the first round's verdict in a cache)
 4. ``json-2500``: ``guided_json`` text nested 2,500 deep;
 5. ``wide-n``: a request with ``n`` as wide as the server accepts (``--wide-n``), and a 4-token
    request sent 0.5 s later: its latency next to the same request alone (``small_latency_ratio``);
@@ -72,8 +75,8 @@ def _nested_array_schema(depth: int) -> str:
     return '{"type":"array","items":' * depth + '{"type":"string"}' + "}" * depth
 
 
-def _many_props_schema(n: int) -> str:
-    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+def _many_props_schema(n: int, tag: int = 0) -> str:
+    return json.dumps({"type": "object", "properties": {f"r{tag}p{i}": {"type": "integer"} for i in range(n)}})
 
 
 class Neighbour:
@@ -120,6 +123,7 @@ class Hostile:
     def __init__(self, session: Any, url: str, model: str, args: argparse.Namespace) -> None:
         self.session, self.url, self.model, self.args = session, url, model, args
         self.batch_file_id: str | None = None
+        self.round = 0   # grammars differ from round to round: each is compiled, none answered from a cache
 
     async def _post(self, path: str, body: dict) -> int:
         async with self.session.post(self.url + path, json=body) as resp:
@@ -134,10 +138,10 @@ class Hostile:
         return await self._guided("guided_json", _nested_array_schema(900)), {}
 
     async def json_props(self) -> tuple[int, dict]:
-        return await self._guided("guided_json", _many_props_schema(1200)), {}
+        return await self._guided("guided_json", _many_props_schema(1200, self.round)), {}
 
     async def regex_rep(self) -> tuple[int, dict]:
-        return await self._guided("guided_regex", "[^x]{0,65535}"), {}
+        return await self._guided("guided_regex", "[^%s]{0,65535}" % "xyzwvu"[self.round % 6]), {}
 
     async def json_2500(self) -> tuple[int, dict]:
         return await self._guided("guided_json", _nested_array_schema(2500)), {}
@@ -283,7 +287,8 @@ async def measure(url: str, args: argparse.Namespace) -> dict:
         out: dict[str, dict] = {}
         for case in args.cases:
             rounds = []
-            for _ in range(args.rounds):
+            for i in range(args.rounds):
+                hostile.round = i
                 rounds.append(await _one_round(session, url, model, case, hostile, args))
                 logger.info("%s: %s", case, rounds[-1])
             out[case] = _summary(rounds)

@@ -382,7 +382,9 @@ def _lower_thread_priority() -> None:
     """Nice the calling thread (Linux schedules threads one by one), so that a compile takes the
     cores only when the engine's step loop leaves them."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        from pdserve.engine.grammar_process import COMPILE_NICENESS
+
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not permitted: compiles at normal priority
         pass
 
