@@ -325,6 +325,12 @@ class RouterSettings(_Settings):
                                          f"fewest. At most the capacity (decode.engine.max_num_seqs times the "
                                          f"decode replicas). Default: {DEFAULT_MAX_CHOICES}, or the capacity "
                                          "when that is smaller.")
+    tenant_cache_isolation: bool = Field(True, description="With api_keys configured, each key's "
+                                         "requests hit only the same key's prefix-cached KV blocks (the key's "
+                                         "owner id salts the prefix hashes, together with any cache_salt the "
+                                         "request gives). false shares cached prefixes between keys: more hits, "
+                                         "but a tenant can then tell from cached_tokens (or its TTFT) whether "
+                                         "another one sent a prefix. No effect without api_keys.")
     allow_insecure_bind: bool = Field(False, description="Let `pdserve up` and `config check` serve "
                                       "on a non-loopback host without api_keys or TLS (e.g. behind a "
                                       "proxy that authenticates); without it they refuse.")

@@ -191,7 +191,8 @@ class RouterService:
                                                             if self.request_log is not None else [])
         self.serving = Serving(self.backend, observers=observers, admission=admission,
                                limits=ServingLimits(cfg.router.request_timeout_s, cfg.router.max_tokens_limit,
-                                                    max_choices=max_choices, structured=cfg.structured.limits()))
+                                                    max_choices=max_choices, structured=cfg.structured.limits(),
+                                                    tenant_cache_isolation=cfg.router.tenant_cache_isolation))
         keys = [k.get_secret_value() for k in cfg.router.api_keys]
         auth = ApiKeyAuth(keys) if keys else None
         r = cfg.router

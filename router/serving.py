@@ -70,6 +70,7 @@ class ServingLimits:
     max_tokens_limit: int | None = None     # None: only the context length bounds max_tokens
     max_choices: int = DEFAULT_MAX_CHOICES  # router.max_choices_per_request: sequences of one request
     structured: StructuredLimits = StructuredLimits()   # the `structured` section: a grammar's check
+    tenant_cache_isolation: bool = True     # router.tenant_cache_isolation: a tenant's prefix cache is its own
 
     def __post_init__(self) -> None:
         if self.max_choices < 1:
@@ -250,6 +251,8 @@ class Serving:
         this sequence is part of (its admission share); None: the sequence is a request alone."""
         if scope and not req.owner:  # the tenant names itself in the request log
             req = replace(req, owner=scope)
+        if req.owner and self.limits.tenant_cache_isolation:
+            req = replace(req, params=replace(req.params, cache_salt=tenant_salt(req.owner, req.params.cache_salt)))
         return RequestStream(self, req, api, self.deadline(deadline), scope, group or req.request_id)
 
     def server_id(self, client_id: str, scope: str = "") -> str | None:
@@ -264,6 +267,15 @@ class Serving:
                 "give every concurrent request its own id (or reuse it once that request ended)")
         self._live_ids[key] = server_id
         return key
+
+
+def tenant_salt(owner: str, cache_salt: str | None) -> str:
+    """The prefix-cache salt of a tenant's request: its owner id, with the request's own
+    ``cache_salt`` folded in, so one tenant never hits (nor probes, by sending another's salt)
+    another tenant's cached blocks, and a tenant's salts still split its own cache."""
+    if cache_salt is None:
+        return f"tenant:{owner}"
+    return "tenant:" + hashlib.sha256(f"{owner}\0{cache_salt}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def resume_key(scope: str, client_id: str) -> str:

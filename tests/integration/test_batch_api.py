@@ -725,3 +725,22 @@ def test_a_batch_item_asking_for_choices_or_beams_is_answered_400_naming_the_par
         status, out = stack.call(batch_api.respond(stack.serving, "/v1/completions", body, "cid-1"))
         assert status == 400, (extra, out)
         assert out["error"]["param"] == param, out
+
+
+def test_a_tenants_cached_prefix_is_its_own(stack: Stack) -> None:
+    """With keys, a prompt cached by one tenant is a cache hit for that tenant only (the owner id
+    salts the prefix hashes): another tenant sees ``cached_tokens`` 0 for the same prompt, also
+    when it sends the first tenant's ``cache_salt``."""
+    prompt = "The quarterly report of the northern warehouse lists " * 6   # several full blocks
+
+    def cached(key: str, **extra) -> int:
+        out = stack.openai(key).completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                                   extra_body=extra or None)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    cached(KEY_A)
+    assert cached(KEY_A) >= 16                       # A's own second request hits A's blocks
+    assert cached(KEY_B) == 0                        # B's same prompt does not
+    cached(KEY_A, cache_salt="team-1")
+    assert cached(KEY_B, cache_salt="team-1") == 0   # nor does B sending A's salt
+    assert cached(KEY_A, cache_salt="team-1") >= 16

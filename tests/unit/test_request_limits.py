@@ -144,3 +144,14 @@ def test_abort_reaches_exactly_the_request_it_names() -> None:
     asyncio.run(b.abort("victim"))
     assert log == [("d0", "victim#1")]
     assert b.placement("victim#7") == ("d1", None) and b.placement("nobody") is None
+
+
+def test_tenant_salts_split_tenants_and_keep_a_tenants_own_salts_apart():
+    from pdserve.router.serving import tenant_salt
+
+    a, b = owner_id("key-a"), owner_id("key-b")
+    assert tenant_salt(a, None) != tenant_salt(b, None)
+    assert tenant_salt(a, "s") != tenant_salt(b, "s")          # B cannot reach A's cache by its salt
+    assert tenant_salt(a, "s") != tenant_salt(a, "t") != tenant_salt(a, None)
+    assert tenant_salt(a, "s") == tenant_salt(a, "s")
+    assert len(tenant_salt(a, "x" * 256)) <= 256
