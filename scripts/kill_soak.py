@@ -28,7 +28,10 @@ replaced). The report adds ``lost`` (requests with neither their tokens nor an e
 must be 0), ``duplicated_tokens`` / ``missing_tokens`` / ``wrong_tokens`` (each completed stream
 aligned with its fault-free tokens), and ``leaked_blocks`` (summed over the live workers). It
 passes with ``completed`` >= 90% of the requests, no lost request, no duplicated, missing or wrong
-token and nothing left held; a failed request (an explicit error) is counted, not a failure. A
+token and nothing left held (a stream whose first differing token was a near-tie, its two best
+logits within ``NEAR_TIE_LOGIT`` as transformers reads the same weights, diverged by float
+summation order, not by a fault: it is listed with its margin and counted in
+``near_tie_divergences``, its tokens in none of the three); a failed request (an explicit error) is counted, not a failure. A
 scheduled kill that finds no live worker of its role (every one of them is being replaced at
 that moment) is skipped and recorded (its ``skipped`` reason, and ``kills_skipped`` in the
 report), not a failure: the run goes on with the next kill.
@@ -37,6 +40,7 @@ report), not a failure: the run goes on with the next kill.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -226,6 +230,35 @@ def chaos_kills(args: argparse.Namespace, n: int) -> list[Kill]:
     return sorted(kills, key=lambda k: k.at_completed)
 
 
+# A stream whose first token that differs from the fault-free run's was chosen between two logits
+# closer than this diverged at a near-tie, not through a fault: greedy decoding picks the larger of
+# two logits that differ by 1e-5 according to the order of the float sums, and that order changes
+# with the batch a sequence decodes in (its rows, its bucket), which the kills change. Tokens
+# after such a point are another valid continuation, counted apart (``near_tie_divergences``).
+NEAR_TIE_LOGIT = 1e-3
+
+
+@functools.lru_cache(maxsize=2)
+def _reference_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(model_dir),
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+
+
+def top2_margin(model_dir: str, prompt: str, tokens: list[int]) -> float:
+    """The gap between the two largest next-token logits after ``prompt`` and ``tokens`` (the
+    model in float32, through transformers: an independent reading of the same weights)."""
+    import torch
+
+    tok, model = _reference_model(model_dir)
+    ids = tok(prompt)["input_ids"] + list(tokens)
+    with torch.no_grad():
+        top = torch.topk(model(torch.tensor([ids])).logits[0, -1].double(), 2).values
+    return float(top[0] - top[1])
+
+
 def token_diff(ref: list[int], got: list[int]) -> tuple[int, int, int]:
     """(duplicated, missing, wrong) tokens of ``got`` against ``ref``, by alignment: a token
     sent twice after a resume shows as an insertion, one skipped as a deletion."""
@@ -298,17 +331,24 @@ def soak(args: argparse.Namespace) -> dict:
         outs = faulty.outcomes
         failed = {i: o.error for i, o in outs.items() if o.error and not o.lost}
         lost = [i for i in range(len(jobs)) if i not in outs or outs[i].lost]
-        dup = miss = wrong = 0
+        dup = miss = wrong = near_ties = 0
         differing = []
         for i, o in outs.items():
             if o.tokens is not None and not o.lost and ref.outcomes[i].tokens is not None:
                 d, m, w = token_diff(ref.outcomes[i].tokens, o.tokens)
-                dup, miss, wrong = dup + d, miss + m, wrong + w
                 if d or m or w:
                     first = next((k for k, (a, b) in enumerate(zip(ref.outcomes[i].tokens, o.tokens)) if a != b), None)
+                    margin = None if first is None else top2_margin(str(model), jobs[i].prompt,
+                                                                    ref.outcomes[i].tokens[:first])
+                    near_tie = margin is not None and margin < NEAR_TIE_LOGIT
                     differing.append({"request": i, "first_difference_at": first, "of": len(o.tokens),
                                       "attempts": o.attempts, "migrations": o.migrations,
-                                      "duplicated": d, "missing": m, "wrong": w})
+                                      "duplicated": d, "missing": m, "wrong": w,
+                                      "top2_logit_margin_there": margin, "near_tie": near_tie})
+                    if near_tie:
+                        near_ties += 1
+                        continue
+                dup, miss, wrong = dup + d, miss + m, wrong + w
         identical = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens == o.tokens)
         compared = sum(1 for i, o in outs.items() if o.tokens is not None and ref.outcomes[i].tokens is not None)
         report.update({
@@ -322,6 +362,7 @@ def soak(args: argparse.Namespace) -> dict:
             "reference_failures": sorted(set(ref_failures.values()))[:10],
             "identical_to_reference": identical,
             "differing_from_reference": compared - identical,
+            "near_tie_divergences": near_ties,
             "router_retries": h.service.backend.retries - retries0,
             "router_migrations": h.service.backend.migrations - migrations0,
             "streams_with_a_retry": sum(o.attempts > 1 and o.migrations == 0 for o in outs.values()),
@@ -351,8 +392,9 @@ def verdict(report: dict, chaos: bool = False) -> list[str]:
         problems.append(f"{report['reference']['failed']} requests of the fault-free run failed")
     if report["failed"]:
         problems.append(f"{report['failed']} requests failed")
-    if report["identical_to_reference"] != report["requests"]:
-        problems.append(f"{report['requests'] - report['identical_to_reference']} token sequences not identical")
+    unexplained = report["requests"] - report["identical_to_reference"] - report.get("near_tie_divergences", 0)
+    if unexplained:
+        problems.append(f"{unexplained} token sequences not identical (and not diverged at a near-tie)")
     if any(k["skipped"] for k in report["kills"]):
         problems.append("a kill found no worker to kill")
     elif any(not k["worker_id"] for k in report["kills"]):
