@@ -49,6 +49,7 @@ class AdmissionConfig:
 class _Waiter:
     seq: int                       # arrival order, for ties between groups
     future: asyncio.Future[None] = field(repr=False)
+    tracked: bool = True           # False: an anonymous group (no release will name it)
 
 
 class Admission:
@@ -78,10 +79,11 @@ class Admission:
     async def acquire(self, group: Hashable | None = None) -> None:
         """Take a slot for a sequence of ``group`` (None: a group of its own), waiting in line if
         needed; raise ``OverloadedError`` if the line is full."""
+        tracked = group is not None   # an anonymous group's slots are not counted: no release names it
         if group is None:
             group = object()
         if self._in_flight < self.config.max_in_flight and not self._queued:
-            self._take(group)
+            self._take(group, tracked)
             return
         if self._queued >= self.config.max_queued:
             self.rejected_total += 1
@@ -90,14 +92,14 @@ class Admission:
                 f"retry after {self.config.retry_after_s:g} s",
                 retry_after_s=self.config.retry_after_s,
             )
-        waiter = _Waiter(next(self._seq), asyncio.get_running_loop().create_future())
+        waiter = _Waiter(next(self._seq), asyncio.get_running_loop().create_future(), tracked)
         self._lines.setdefault(group, []).append(waiter)
         self._queued += 1
         try:
             await waiter.future  # release() hands its slot over: it is already counted for us
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled():
-                self.release(group)  # got the slot just as we were cancelled: pass it on
+                self.release(group if tracked else None)  # got the slot just as we were cancelled: pass it on
             else:
                 self._leave_line(group, waiter)
             raise
@@ -126,9 +128,10 @@ class Admission:
             self.release(group)
 
     # ------------------------------------------------------------------ inside
-    def _take(self, group: Hashable) -> None:
+    def _take(self, group: Hashable, tracked: bool = True) -> None:
         self._in_flight += 1
-        self._held[group] = self._held.get(group, 0) + 1
+        if tracked:
+            self._held[group] = self._held.get(group, 0) + 1
 
     def _next_group(self) -> Hashable | None:
         """The waiting group that holds the fewest slots; among equals, the longest waiting."""
@@ -149,7 +152,7 @@ class Admission:
             self._queued -= 1
             if waiter.future.done():  # cancelled, its task not yet out of the line: skip it
                 continue
-            self._take(group)
+            self._take(group, waiter.tracked)
             waiter.future.set_result(None)
             return True
         return False

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -226,13 +227,14 @@ class Serving:
         limits = self.limits.structured
         prefix = "a tool's parameters schema does not compile: " if field == "tools" else ""
         try:
-            await asyncio.wait_for(asyncio.to_thread(check_structured, s, limits), limits.compile_timeout_s)
+            refusal = await asyncio.wait_for(asyncio.to_thread(_grammar_refusal, s.kind, s.spec, limits),
+                                             limits.compile_timeout_s)
         except TimeoutError:
             raise InvalidParameterError(
                 f"{prefix}the {s.kind.replace('_', ' ')} did not parse within {limits.compile_timeout_s:g} s "
                 "(structured.compile_timeout_s); simplify it", param=field, code=GrammarError.code) from None
-        except InvalidRequestError as exc:
-            raise InvalidParameterError(prefix + str(exc), param=field) from None
+        if refusal is not None:
+            raise InvalidParameterError(prefix + refusal, param=field)
 
     def deadline(self, client_deadline: float | None = None) -> float | None:
         """A request's deadline, fixed as it starts: the earlier of the client's
@@ -253,7 +255,7 @@ class Serving:
             req = replace(req, owner=scope)
         if req.owner and self.limits.tenant_cache_isolation:
             req = replace(req, params=replace(req.params, cache_salt=tenant_salt(req.owner, req.params.cache_salt)))
-        return RequestStream(self, req, api, self.deadline(deadline), scope, group or req.request_id)
+        return RequestStream(self, req, api, self.deadline(deadline), scope, group)
 
     def server_id(self, client_id: str, scope: str = "") -> str | None:
         """The server's id of the live request the client calls ``client_id`` (operators, tests)."""
@@ -267,6 +269,18 @@ class Serving:
                 "give every concurrent request its own id (or reuse it once that request ended)")
         self._live_ids[key] = server_id
         return key
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_refusal(kind: str, spec: str, limits: StructuredLimits) -> str | None:
+    """Why the router refuses a grammar (None: it parses), remembered per spec: an application
+    sends one schema with every request, and a spec that parses slowly is parsed once (a parse that
+    outlived its request's budget still ends here and is remembered for the next)."""
+    try:
+        check_structured(StructuredOutput(kind, spec), limits)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
 
 
 def tenant_salt(owner: str, cache_salt: str | None) -> str:

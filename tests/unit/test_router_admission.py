@@ -157,3 +157,17 @@ def test_a_waiter_cancelled_just_before_a_release_is_skipped_and_nothing_leaks()
         assert (adm.in_flight, adm.queued) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_anonymous_slots_leave_nothing_behind():
+    """acquire()/release() without a group (each a group of its own) keep no per-group count."""
+    async def go():
+        adm = Admission(AdmissionConfig(max_in_flight=1, max_queued=4))
+        await adm.acquire()
+        waiter = asyncio.create_task(adm.acquire())
+        await asyncio.sleep(0)
+        adm.release()                             # handed to the anonymous waiter
+        await waiter
+        adm.release()
+        assert adm.in_flight == 0 and adm.queued == 0 and adm._held == {}
+    asyncio.run(go())
