@@ -155,3 +155,28 @@ def test_tenant_salts_split_tenants_and_keep_a_tenants_own_salts_apart():
     assert tenant_salt(a, "s") != tenant_salt(a, "t") != tenant_salt(a, None)
     assert tenant_salt(a, "s") == tenant_salt(a, "s")
     assert len(tenant_salt(a, "x" * 256)) <= 256
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_tenant_cache_isolation_salts_a_tenants_requests_only_when_on(tiny_model, tokenizer, isolate) -> None:
+    from pdserve.router.serving import tenant_salt
+
+    backend, serving = make_serving(tiny_model, tokenizer, limits=ServingLimits(tenant_cache_isolation=isolate))
+    salts = []
+    generate = backend.generate
+
+    def recording(req):
+        salts.append(req.params.cache_salt)
+        return generate(req)
+    backend.generate = recording
+    owner = owner_id("key-a")
+
+    async def go():
+        for scope in (owner, ""):   # a tenant's request, then an anonymous one
+            prepared = await serving.prepare(parse_completion_body({"prompt": "x", "max_tokens": 1}), "",
+                                             default_max_tokens=16)
+            async with serving.stream(prepared, api="test", scope=scope) as events:
+                [ev async for ev in events]
+
+    asyncio.run(go())
+    assert salts == ([tenant_salt(owner, None)] if isolate else [None]) + [None]
