@@ -98,14 +98,6 @@ class OutOfBlocksError(PdserveError):
     error_type = "capacity_error"
 
 
-class RequestAbortedError(PdserveError):
-    """The request was cancelled by its client or by an operator."""
-
-    grpc_status = "CANCELLED"
-    http_status = 499
-    error_type = "cancelled"
-
-
 class DeadlineExceededError(PdserveError):
     """The request's deadline passed before it completed."""
 

@@ -14,12 +14,10 @@ anonymous owner (``ANONYMOUS``, the empty id).
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Iterable
 
 from pdserve.engine.errors import AuthenticationError
 
-ENV_VAR = "PDSERVE_API_KEYS"  # comma-separated keys
 ANONYMOUS = ""  # the owner of every request when no keys are configured
 _OWNER_CONTEXT = b"pdserve owner id v1"
 
@@ -34,10 +32,6 @@ class ApiKeyAuth:
         cleaned = [k.strip() for k in keys if k and k.strip()]
         self._keys = [k.encode("utf-8") for k in cleaned]
         self._owners = [owner_id(k) for k in cleaned]
-
-    @classmethod
-    def from_env(cls, var: str = ENV_VAR) -> ApiKeyAuth:
-        return cls(os.environ.get(var, "").split(","))
 
     @property
     def enabled(self) -> bool:
