@@ -49,8 +49,8 @@ class _NeverSet:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from pdserve.cluster.batch_store import RedisBatchStore
-        from pdserve.cluster.redis_server import EmbeddedRedis, connect
+        from pdserve.cluster.state.batch_store import RedisBatchStore
+        from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
         from pdserve.engine.config import EngineConfig
         from pdserve.engine.gc_freeze import freeze_startup_heap
         from pdserve.engine.llm_engine import LLMEngine

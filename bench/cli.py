@@ -23,7 +23,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("pdserve.bench.serve", "a served workload from the client, against pdserve and vLLM side by side"),
     "batch": ("pdserve.bench.batch", "interactive TTFT with and without a concurrent batch; batch throughput"),
     "structured": ("pdserve.bench.structured", "grammar libraries compared, and a grammar's cost to its batch"),
-    "simulate": ("pdserve.bench.simulate", "the capacity simulator against real runs here, and its speed"),
+    "simulate": ("pdserve.bench.sim_accuracy", "the capacity simulator against real runs here, and its speed"),
     "failover": ("pdserve.bench.failover", "control-plane leader and router deaths: time to recover, requests lost"),
     "hostile": ("pdserve.bench.hostile", "hostile requests: each one's stall of a neighbour's token stream"),
 }

@@ -103,7 +103,7 @@ class _Router:
 
 
 def _status(client) -> dict:
-    from pdserve.cluster.launcher import STATUS_KEY
+    from pdserve.cluster.head.launcher import STATUS_KEY
 
     raw = client.get(STATUS_KEY)
     return json.loads(raw) if raw else {}
@@ -136,8 +136,8 @@ def _stream(base_url: str, model: str, max_tokens: int, request_id: str, got: li
 
 def run_bench(st: Settings) -> dict:
     from pdserve.bench.hw import cpu_model
-    from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
-    from pdserve.cluster.redis_server import EmbeddedRedis, connect
+    from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback
+    from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
     from pdserve.engine.testmodel import ensure_model
 
     use_loopback()

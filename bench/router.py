@@ -249,8 +249,8 @@ async def _bench_model(model: str, st: Settings) -> dict:
     from multiprocessing import get_context
 
     from pdserve.cluster.config_io import apply_overrides, config_from_model
-    from pdserve.cluster.redis_server import EmbeddedRedis
-    from pdserve.cluster.router_service import RouterService
+    from pdserve.cluster.state.redis_server import EmbeddedRedis
+    from pdserve.cluster.head.router_service import RouterService
     from pdserve.engine.testmodel import ensure_model
 
     path = ensure_model(model)
@@ -297,7 +297,7 @@ async def _bench_model(model: str, st: Settings) -> dict:
 
 def run_bench(st: Settings) -> dict:
     """Start Ray on loopback, bench each model on its own cluster; returns the JSON-ready result."""
-    from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
+    from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback
 
     use_loopback()
     import ray

@@ -182,9 +182,9 @@ def run_scale(st: ScaleSettings) -> dict:
     from pdserve.bench.hw import cpu_model
     from pdserve.bench.synthetic_worker import SyntheticDecodeWorker
     from pdserve.cluster.config_io import apply_overrides, config_from_model
-    from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback
-    from pdserve.cluster.redis_server import EmbeddedRedis, connect
-    from pdserve.cluster.worker_registry import WorkerRecord, WorkerRegistry
+    from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback
+    from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
+    from pdserve.cluster.state.worker_registry import WorkerRecord, WorkerRegistry
     from pdserve.engine.testmodel import ensure_model
 
     use_loopback()
@@ -280,7 +280,7 @@ def _actors_level(st: ScaleSettings, n: int, base, redis_server, password: str, 
                   client_pid: int) -> dict:
     """``n`` router actors (as ``router.replicas`` starts them) over the synthetic workers."""
     from pdserve.cluster.config_io import apply_overrides
-    from pdserve.cluster.router_actor import start_router_actors, stop_router_actors
+    from pdserve.cluster.head.router_actor import start_router_actors, stop_router_actors
 
     config = apply_overrides(base, {"router.replicas": n + 1})  # router i = 1..n on free ports
     routers = start_router_actors(config, redis_server.address_url, password, detached=False,

@@ -35,7 +35,7 @@ def run_cluster(model_dir: str, *, prompt_len: int, chunk_tokens: int, threads: 
     per case each after the main ones, recorded under ``by_length``."""
     import ray
 
-    from pdserve.cluster.workers import connect_pools, start_worker, stop_worker, wait_ready
+    from pdserve.cluster.runtime.workers import connect_pools, start_worker, stop_worker, wait_ready
     from pdserve.engine.config import EngineConfig
 
     own_ray = not ray.is_initialized()

@@ -42,7 +42,7 @@ from pdserve.capacity.profile import EngineProfile, Profile
 
 
 class SimPlanner(Protocol):
-    """What the simulator needs of a planner (``cluster/sim_planner.py``'s ``SimPlanner``: the
+    """What the simulator needs of a planner (``capacity/sim_planner.py``'s ``SimPlanner``: the
     live planner on simulated state; it lives in ``cluster/``, which this package may not import)."""
 
     setup: Any      # interval_s, worker_start_s, policy.warmup_s, prefill / decode (initial, max_replicas)
@@ -319,7 +319,7 @@ class Simulator:
     # ------------------------------------------------------------------ run
     def run(self, arrivals: np.ndarray, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray,
             planner: SimPlanner | None = None, noise_seed: int | None = None) -> SimResult:
-        """``planner``: the live planner scales the pools (``cluster/sim_planner.py``); the shape's
+        """``planner``: the live planner scales the pools (``capacity/sim_planner.py``); the shape's
         replica counts are then ignored for its pools' bounds (initial, min and max replicas).
 
         ``noise_seed``: steps take the time the profile gives them (None), or each is drawn around

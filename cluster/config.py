@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo,
                       field_validator, model_validator)
 
-from pdserve.cluster.planner import PlannerPolicy
+from pdserve.capacity.planner import PlannerPolicy
 from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, SchedulingPolicy,
                                    StructuredLimits)
 from pdserve.engine.errors import InvalidRequestError

@@ -15,6 +15,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds
 from pdserve.cluster.config import ClusterConfig, ConfigError
 from pdserve.cluster.redact import redact_url
 
@@ -196,3 +197,28 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
         else:
             break
     return line
+
+
+def load_planner_setup(path: str | Path, *, worker_start_s: float) -> tuple[PlannerSetup, str]:
+    """The simulated planner's settings, pool bounds and mode from a cluster config file:
+    (setup, mode) for ``pdserve simulate --planner``."""
+    config = load_config(path, check_paths=False)
+    mode = {"always": "disaggregated", "conditional": "conditional",
+            "never": "colocated"}[config.router.disaggregation.mode]
+    bounds = {}
+    for name in ("prefill", "decode"):
+        pool = getattr(config, name)
+        if pool.max_replicas is None:
+            raise ValueError(f"{path}: set {name}.max_replicas to simulate the planner (the default, "
+                             f"'as many as Ray has room for', depends on a real cluster)")
+        if mode == "colocated" and name == "prefill":
+            bounds[name] = PoolBounds(0, 0, 0)
+        else:
+            bounds[name] = PoolBounds(pool.min_replicas, pool.initial_replicas, pool.max_replicas)
+    p = config.planner
+    if not p.enabled:
+        raise ValueError(f"{path}: planner.enabled is false; nothing to simulate")
+    setup = PlannerSetup(config.planner_policy(), bounds["prefill"], bounds["decode"], interval_s=p.interval_s,
+                         worker_start_s=worker_start_s, use_model=p.profile is not None,
+                         window_s=p.traffic_window_s)
+    return setup, mode

@@ -66,7 +66,7 @@ class MigrationMixin:
     def _remote(self, actor: Any, method: str, *args: Any, timeout_s: float = MIGRATION_CALL_TIMEOUT_S,
                 **kwargs: Any) -> Any:
         """Call ``method`` on another worker's actor and wait for its result. Workers do not know
-        Ray: the cluster's actor class (``cluster/pinned_workers.py``) provides this."""
+        Ray: the cluster's actor class (``cluster/runtime/pinned_workers.py``) provides this."""
         raise NotImplementedError("live migration runs in the cluster's decode worker actors")
 
     def _migrate_one(self, rid: str, targets: list[tuple[str, Any]]) -> str:

@@ -44,9 +44,9 @@ def _add_registered(sub: argparse._SubParsersAction, module: str) -> None:
 
 _REGISTERED = (
     "pdserve.bench.cli",
-    "pdserve.cluster.cli",
-    "pdserve.cluster.batch_cli",
-    "pdserve.bench.capacity_cli",
+    "pdserve.cluster.cli.commands",
+    "pdserve.cluster.cli.batch",
+    "pdserve.capacity_cmd",
 )
 
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.cluster.ray_env import use_loopback
+    from pdserve.cluster.runtime.ray_env import use_loopback
 
     use_loopback()  # before anything imports ray
     parser = build_parser()

@@ -3,7 +3,7 @@ by ``custom_id``, every file and batch owned by the API key that made it. Input 
 ``router/batch_input.py``.
 
 The router holds no state of its own here: files, batches and per-item results live in a
-``BatchStore`` (``cluster/batch_store.py`` keeps them in Redis, with persistence on), so a router
+``BatchStore`` (``cluster/state/batch_store.py`` keeps them in Redis, with persistence on), so a router
 restart or a Redis restart loses no accepted item. ``BatchRunner`` is a task of every router.
 Life of an item:
 
@@ -56,7 +56,7 @@ DEFAULT_LEASE_S = 15.0
 
 
 class BatchStore(Protocol):
-    """Durable files, batches and per-item results (``cluster/batch_store.py``)."""
+    """Durable files, batches and per-item results (``cluster/state/batch_store.py``)."""
 
     def put_file(self, meta: dict, content: bytes) -> None: ...
     def file(self, file_id: str) -> dict | None: ...

@@ -699,7 +699,7 @@ async def start_http_server(serving: Serving, *, host: str = "127.0.0.1", port: 
                             header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                             batches: BatchStore | None = None) -> HttpServer:
     """Start serving; ``port=0`` picks a free port (see ``HttpServer.port``). ``batches``: the Batch
-    API's store (``cluster/batch_store.py``); without it the Batch API answers 404."""
+    API's store (``cluster/state/batch_store.py``); without it the Batch API answers 404."""
     app = make_app(serving, auth=auth, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                    batches=batches)
     # auto_decompress off: router.http_body decompresses known codings itself, bounded in size.

@@ -1,6 +1,6 @@
 """The KV ledger as the router writes it: the states of one request's KV handoff, and the writer
-the disaggregated backend calls at each step. ``cluster/ledger_writer.py`` implements the writer
-over Redis (and ``cluster/ledger.py`` keeps the records); the router depends on this interface
+the disaggregated backend calls at each step. ``cluster/control/ledger_writer.py`` implements the writer
+over Redis (and ``cluster/state/ledger.py`` keeps the records); the router depends on this interface
 only, so ``router/`` never imports ``cluster/``.
 """
 

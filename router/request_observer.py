@@ -3,7 +3,7 @@
 ``Serving`` builds one ``RequestRecord`` (``engine/contract.py``) per request it accepted or
 refused, when that request is over, and hands it to each observer in turn: the router's own
 ``/metrics`` text (``router/metrics_text.py``) always, and in a cluster the Ray metrics and the
-Redis request log (``cluster/router_service.py``). An observer that raises is logged and harms
+Redis request log (``cluster/head/router_service.py``). An observer that raises is logged and harms
 neither the request nor the other observers.
 """
 

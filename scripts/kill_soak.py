@@ -60,7 +60,7 @@ for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSF
     os.environ.setdefault(_key, _value)
 
 from pdserve.bench.hw import cpu_model  # noqa: E402
-from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback  # noqa: E402
+from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback  # noqa: E402
 
 use_loopback()
 
@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))  # the harness the integration test
 
 import ray  # noqa: E402
 from cluster_helpers import ClusterHarness, cluster_config, wait_until  # noqa: E402
-from pdserve.cluster.redis_server import EmbeddedRedis  # noqa: E402
+from pdserve.cluster.state.redis_server import EmbeddedRedis  # noqa: E402
 from pdserve.engine.testmodel import ensure_model  # noqa: E402
 
 logger = logging.getLogger("kill_soak")

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.config_io import apply_overrides, config_from_model
-from pdserve.cluster.router_service import RouterService
+from pdserve.cluster.head.router_service import RouterService
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from ray_settings import METRICS_REPORT_INTERVAL_MS
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Ray's node IP stays 127.0.0.1 only with this set before ray is imported (see cluster/ray_env.py).
+# Ray's node IP stays 127.0.0.1 only with this set before ray is imported (see cluster/runtime/ray_env.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray starts workers at niceness 15 by default: the test process (router, clients) would starve them.
 os.environ.setdefault("RAY_worker_niceness", "0")

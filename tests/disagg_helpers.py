@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.workers import WorkerHandle, connect_pools, start_worker, stop_worker, wait_ready
+from pdserve.cluster.runtime.workers import WorkerHandle, connect_pools, start_worker, stop_worker, wait_ready
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import StepOutput
 from pdserve.engine.sampling_params import SamplingParams

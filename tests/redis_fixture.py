@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 class WorkerObserver:
     """What a worker reports as it happens, to whoever watches (the Ray metrics of
-    ``cluster/metered.py``). The worker calls these hooks; each does nothing here. A hook that
+    ``cluster/runtime/metered.py``). The worker calls these hooks; each does nothing here. A hook that
     raises is logged and never disturbs the request it reports on."""
 
     def itl_gaps(self, gaps_s: list[float]) -> None:

@@ -15,8 +15,8 @@ import sys
 
 
 async def main(model_dir: str, namespace: str) -> None:
-    from pdserve.cluster.batch_store import RedisBatchStore
-    from pdserve.cluster.redis_server import connect
+    from pdserve.cluster.state.batch_store import RedisBatchStore
+    from pdserve.cluster.state.redis_server import connect
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.tokenizer import load_tokenizer

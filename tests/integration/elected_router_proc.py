@@ -19,8 +19,8 @@ async def main(model_dir: str, redis_namespace: str, lease_s: float, ledger_leas
     import ray
 
     from cluster_helpers import cluster_config
-    from pdserve.cluster.ray_env import use_loopback
-    from pdserve.cluster.router_service import RouterService
+    from pdserve.cluster.runtime.ray_env import use_loopback
+    from pdserve.cluster.head.router_service import RouterService
 
     use_loopback()
     ray.init(address=os.environ["ROUTER_RAY_ADDRESS"], namespace="pdserve-tests", log_to_driver=False)

@@ -26,10 +26,10 @@ import time
 import openai
 import pytest
 
-from pdserve.cluster.batch_store import RedisBatchStore
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
-from pdserve.cluster.request_log import RequestLog
-from pdserve.cluster.router_service import _RequestLogWriter
+from pdserve.cluster.state.batch_store import RedisBatchStore
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.request_log import RequestLog
+from pdserve.cluster.head.router_service import _RequestLogWriter
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import load_tokenizer

@@ -18,7 +18,7 @@ import pytest
 
 from disagg_helpers import (CALL_TIMEOUT_S, DisaggOutcome, DisaggPool, DisaggRequest, drain_until_finished,
                             engine_config, new_request_id, run_disagg, wait_nothing_leaked, wait_until)
-from pdserve.cluster.workers import stop_worker
+from pdserve.cluster.runtime.workers import stop_worker
 from pdserve.engine.errors import CompatibilityError, KVTransferError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import load_model_spec

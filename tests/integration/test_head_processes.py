@@ -1,4 +1,4 @@
-"""What a head killed with SIGKILL leaves running is found and ended (``cluster/head_processes.py``),
+"""What a head killed with SIGKILL leaves running is found and ended (``cluster/head/head_processes.py``),
 and nothing else is: checked with a stand-in head (plain processes, no Ray) so that every case
 runs in seconds. The real head's case is ``test_cli_ops.py``.
 
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.head_processes import HEAD_ID_ENV, HeadIdentity, leftovers, new_head_id, stop_leftovers
+from pdserve.cluster.head.head_processes import HEAD_ID_ENV, HeadIdentity, leftovers, new_head_id, stop_leftovers
 from pdserve.cluster.pids import start_ticks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 SLEEP = "import time; time.sleep(300)"
 STAND_IN_HEAD = f"""
 import json, os, subprocess, sys, time
-from pdserve.cluster.head_processes import HeadIdentity
+from pdserve.cluster.head.head_processes import HeadIdentity
 bare = {{k: v for k, v in os.environ.items() if k != "{HEAD_ID_ENV}"}}
 kids = [
     subprocess.Popen([sys.executable, "-c", {SLEEP!r}], env=bare),  # found by its session alone

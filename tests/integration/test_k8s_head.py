@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 from scripts import procs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

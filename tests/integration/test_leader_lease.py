@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdserve.cluster.leader import LeaderLease
-from pdserve.cluster.worker_registry import RouterRecord, WorkerRecord, WorkerRegistry
+from pdserve.cluster.control.leader import LeaderLease
+from pdserve.cluster.state.worker_registry import RouterRecord, WorkerRecord, WorkerRegistry
 
 pytestmark = pytest.mark.slow
 

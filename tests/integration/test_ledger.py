@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from pdserve.cluster.ledger import (
+from pdserve.cluster.state.ledger import (
     TRANSITIONS,
     EntryNotFoundError,
     InvalidTransitionError,
@@ -18,8 +18,8 @@ from pdserve.cluster.ledger import (
     LedgerState,
     Side,
 )
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
-from pdserve.cluster.redis_supervisor import RedisSupervisor
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_supervisor import RedisSupervisor
 from pdserve.engine.errors import PdserveError
 
 pytestmark = pytest.mark.slow
@@ -329,13 +329,13 @@ def test_supervisor_restarts_a_killed_server_with_its_ledger(tmp_path) -> None:
 
 
 def test_the_routers_handoff_steps_land_in_the_ledger(redis_client, redis_namespace, caplog) -> None:
-    """The steps ``DisaggBackend`` records through ``LedgerSink`` (``cluster/ledger_writer``)
+    """The steps ``DisaggBackend`` records through ``LedgerSink`` (``cluster/control/ledger_writer``)
     each land: a step the ledger refused would only be logged, so this reads every one back."""
     import asyncio
     import logging
 
-    from pdserve.cluster.ledger_writer import LedgerWriter
-    from pdserve.cluster.redis_guard import RedisGuard
+    from pdserve.cluster.control.ledger_writer import LedgerWriter
+    from pdserve.cluster.state.redis_guard import RedisGuard
 
     ledger = KVLedger(redis_client, redis_namespace)
     guard = RedisGuard(redis_client)
@@ -356,7 +356,7 @@ def test_the_routers_handoff_steps_land_in_the_ledger(redis_client, redis_namesp
         return seen
 
     try:
-        with caplog.at_level(logging.INFO, logger="pdserve.cluster.ledger_writer"):
+        with caplog.at_level(logging.INFO, logger="pdserve.cluster.control.ledger_writer"):
             seen = asyncio.run(handoff())
     finally:
         guard.close()

@@ -1,7 +1,7 @@
 """pdserve metrics recorded in a Ray actor show up on the node's Prometheus endpoint.
 
 Life of the check: the session's Ray node exports metrics on ``MetricsExportPort`` -> an actor
-records engine, transfer, router and planner metrics through ``pdserve.cluster.metrics`` ->
+records engine, transfer, router and planner metrics through ``pdserve.cluster.runtime.metrics`` ->
 we scrape ``http://127.0.0.1:<port>/metrics`` until every expected series has its value
 (Ray flushes every few seconds) -> the actor is killed and gone.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from pdserve.cluster.metrics import METRICS
+from pdserve.cluster.runtime.metrics import METRICS
 from ray_settings import METRICS_REPORT_INTERVAL_MS
 
 pytestmark = pytest.mark.slow
@@ -60,8 +60,8 @@ class Recorder:
     def record(self, uid: str) -> str:
         from dataclasses import asdict
 
-        from pdserve.cluster.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RayRouterMetrics
-        from pdserve.cluster.planner import PlannerDecision, ScaleAction
+        from pdserve.cluster.runtime.metrics import EngineMetrics, PlannerMetrics, RedisMetrics, RayRouterMetrics
+        from pdserve.capacity.planner import PlannerDecision, ScaleAction
         from pdserve.engine.contract import WorkerRole
         from pdserve.engine.llm_engine import EngineStats
         from pdserve.engine.contract import RequestPhase, RequestRecord

@@ -1,4 +1,4 @@
-"""One server per Redis data directory (``cluster/data_dir_lock.py``), with the real server binary.
+"""One server per Redis data directory (``cluster/state/data_dir_lock.py``), with the real server binary.
 
 A second ``EmbeddedRedis`` on a directory in use is refused with an error naming the directory
 and the holder; so is one beside a server whose owner was killed with SIGKILL (the server keeps
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.data_dir_lock import LOCK_NAME, DataDirLockedError
+from pdserve.cluster.state.data_dir_lock import LOCK_NAME, DataDirLockedError
 from pdserve.cluster.pids import pid_alive
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 # An owner that starts a server on a data directory, writes a key, reports, and waits to be killed.
 OWNER = """
 import json, sys, time
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 server = EmbeddedRedis(password="pw", data_dir=sys.argv[1]).start()
 client = connect(server.url)
 client.set("written-before-the-crash", b"still here")

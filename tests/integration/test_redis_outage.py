@@ -39,8 +39,8 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import ClusterHarness, cluster_config, wait_until
-from pdserve.cluster.redis_server import EmbeddedRedis, connect
-from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.request_log import RequestLog
 from scripts import procs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

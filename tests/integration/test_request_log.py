@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pdserve.cluster.request_log import RequestLog
+from pdserve.cluster.state.request_log import RequestLog
 
 pytestmark = pytest.mark.slow
 

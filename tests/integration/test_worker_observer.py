@@ -1,5 +1,5 @@
 """A worker reports to its observer (``worker.base.WorkerObserver``) as things happen:
-the hooks the Ray metrics are built on (``cluster/metered.py``). One decode worker in this
+the hooks the Ray metrics are built on (``cluster/runtime/metered.py``). One decode worker in this
 process, with its real engine and NIXL agent, prefilling and decoding locally."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.workers import start_worker, stop_worker, wait_ready
+from pdserve.cluster.runtime.workers import start_worker, stop_worker, wait_ready
 from pdserve.engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow

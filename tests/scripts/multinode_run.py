@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (cluster_helpers)
 
-from pdserve.cluster.ray_env import use_loopback  # noqa: E402
+from pdserve.cluster.runtime.ray_env import use_loopback  # noqa: E402
 
 use_loopback()  # before ray is imported: every node's IP stays 127.0.0.1
 
@@ -52,8 +52,8 @@ def _actor_nodes() -> dict[str, str]:
 async def _serve(config, redis_url: str, prompts: list[str], result: dict) -> None:
     import aiohttp
 
-    from pdserve.cluster.router_service import RouterService
-    from pdserve.cluster.workers import ACTOR_PREFIX
+    from pdserve.cluster.head.router_service import RouterService
+    from pdserve.cluster.runtime.workers import ACTOR_PREFIX
 
     service = RouterService(config, redis_url=redis_url, namespace="pdserve-multinode", reap_interval_s=0.5)
     t0 = time.monotonic()
@@ -102,7 +102,7 @@ async def _serve(config, redis_url: str, prompts: list[str], result: dict) -> No
 
 def main() -> int:
     from cluster_helpers import cluster_config, greedy, reference_engine
-    from pdserve.cluster.redis_server import EmbeddedRedis
+    from pdserve.cluster.state.redis_server import EmbeddedRedis
 
     model_dir = sys.argv[1]
     config = cluster_config(model_dir, **{"prefill.resources": {"prefill": 1}, "decode.resources": {"decode": 1},

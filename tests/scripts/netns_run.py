@@ -44,7 +44,7 @@ def main() -> int:
     from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
     from pdserve.bench.netns import read_link_bytes, set_port
     from pdserve.bench.transfer_link import PLACEMENT
-    from pdserve.cluster.redis_server import EmbeddedRedis
+    from pdserve.cluster.state.redis_server import EmbeddedRedis
 
     spec = json.loads(sys.argv[1])
     config = cluster_config(spec["model_dir"], **{

@@ -151,7 +151,7 @@ def test_a_line_longer_than_one_request_is_named_without_being_copied_whole() ->
 
 
 def test_the_request_log_keeps_the_owner_and_the_operators_view_shows_it() -> None:
-    from pdserve.cluster.cli import _format_request
+    from pdserve.cluster.cli.commands import _format_request
     from pdserve.engine.contract import RequestRecord
 
     rec = RequestRecord("r1", "cid-1", "batch", "length", owner=owner_id("k"))

@@ -473,7 +473,7 @@ def test_a_request_arriving_while_its_worker_computes_lengthens_that_step() -> N
 def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _probe_steps
+    from pdserve.bench.profiler import _probe_steps
 
     # three streams decode in 40 ms steps; each probe's prompt step (ending with its first
     # token) takes 130 ms at 128 tokens and 290 at 384, while the host is 25% slower for one of them
@@ -498,7 +498,7 @@ def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then(
 def test_a_first_tokens_overhead_beside_decoding_streams_is_what_the_simulators_wait_leaves_out() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _probe_wait_overhead
+    from pdserve.bench.profiler import _probe_wait_overhead
 
     # three streams decode in 40 ms steps; eight probes are sent 2.5-37.5 ms before a step
     # boundary, reach the engine 4 ms later (the one sent 2.5 ms before misses that boundary and
@@ -532,7 +532,7 @@ def test_a_first_tokens_overhead_beside_decoding_streams_is_what_the_simulators_
 def test_a_disaggregated_decode_gap_beside_another_streams_first_token_is_kept() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _staggered_gaps
+    from pdserve.bench.profiler import _staggered_gaps
 
     # 40 ms steps; a stream decoding from 1.42 s, another whose first token comes at 1.80 s, in
     # the middle of one of the first one's gaps, and one sent at 2.5 s (the readings end there)
@@ -552,7 +552,7 @@ def test_a_disaggregated_decode_gap_beside_another_streams_first_token_is_kept()
 
 
 def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
-    from pdserve.bench.profile import mixed_step_fit
+    from pdserve.bench.profiler import mixed_step_fit
 
     pre = engine().prefill_step_s                  # 0.1 s at 128 tokens, 0.4 s at 512
     line = {n: [0.95 * pre(n) + 0.012 + e for e in (-0.003, 0.0, 0.05)] for n in (128, 512)}
@@ -564,7 +564,7 @@ def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
 
 
 def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
-    from pdserve.bench.simulate import mean_served
+    from pdserve.bench.sim_accuracy import mean_served
 
     a = ServingProfile(ttft_overhead_s=0.01, step_x=1.0, prefill_x=0.8, mixed_extra_s=None, itl_jitter=[1.0, 2.0],
                        how="a")
@@ -599,7 +599,7 @@ def test_two_calibrations_around_a_load_are_averaged_figure_by_figure() -> None:
 
 
 def test_every_calibration_around_a_loads_repeats_weighs_alike() -> None:
-    from pdserve.bench.simulate import mean_served
+    from pdserve.bench.sim_accuracy import mean_served
 
     four = [ServingProfile(step_x=x, itl_jitter=[x, 2 * x], how=f"c{i}") for i, x in enumerate((1.2, 1.4, 1.3, 1.1))]
     m = mean_served(*four)
@@ -624,7 +624,7 @@ def test_the_example_traffic_file_loads() -> None:
 
 
 def test_bench_simulate_loads_each_mode_at_a_fraction_of_what_its_profile_can_serve() -> None:
-    from pdserve.bench.simulate import capacity_rate
+    from pdserve.bench.sim_accuracy import capacity_rate
 
     prof = profile()
     for mode in ("colocated", "disaggregated"):
@@ -645,7 +645,7 @@ def test_bench_simulate_loads_each_mode_at_a_fraction_of_what_its_profile_can_se
 
 def test_bench_simulate_records_keep_each_load_and_its_profile_to_simulate_again(tmp_path: Path) -> None:
     from pdserve.bench.serve_load import RequestRecord
-    from pdserve.bench.simulate import METRICS, real_figures, save_records, sim_figures
+    from pdserve.bench.sim_accuracy import METRICS, real_figures, save_records, sim_figures
     from pdserve.capacity.profile import Profile
 
     recs = [RequestRecord("load", i, 128, 4, sent=0.1 * i, token_times=[0.1 * i + 0.2 + 0.03 * k for k in range(4)],
@@ -676,7 +676,7 @@ def test_the_served_jitter_spreads_the_simulated_gaps_in_the_itl_percentiles_onl
 
 
 def test_the_served_step_is_measured_at_the_batch_the_load_keeps_decoding() -> None:
-    from pdserve.bench.simulate import capacity_rate, load_shape, operating_streams, seen_batch
+    from pdserve.bench.sim_accuracy import capacity_rate, load_shape, operating_streams, seen_batch
     from pdserve.capacity.simulate import simulate
 
     def poisson(rate: float, n: int) -> np.ndarray:
@@ -744,7 +744,7 @@ def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_p
     steps 1.2x the profiled ones, a request sent during a step 6 ms longer for it, a step that
     takes a new prompt 0.1 s longer. The factor is read from the decode steps without a send, at
     the batch decoding in each, and the send's cost from those with one."""
-    from pdserve.bench.profile import _staggered_steps
+    from pdserve.bench.profiler import _staggered_steps
 
     records, eng = _staggered_closed_loop()
     ratios, batch, arrival, with_send = _staggered_steps(records, eng, arrival_prior=0.006)
@@ -761,7 +761,7 @@ def test_staggered_streams_with_few_steps_free_of_sends_read_those_with_one_less
         monkeypatch: pytest.MonkeyPatch) -> None:
     """At 40-50 streams nearly every step has a send in it: the steps with one join the reading,
     less what an earlier reading on the server put a send at, and only where one is known."""
-    import pdserve.bench.profile as prof
+    import pdserve.bench.profiler as prof
 
     records, eng = _staggered_closed_loop()
     free, _, _, _ = prof._staggered_steps(records, eng)
@@ -786,7 +786,7 @@ def test_staggered_streams_give_each_step_that_took_prompts_once_from_the_phase_
     tokens, the streams decoding beside them and the requests sent during it."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _staggered_prompt_steps
+    from pdserve.bench.profiler import _staggered_prompt_steps
 
     eng = engine(2, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
@@ -833,7 +833,7 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     1.5x the profiled step, any other 1.2x."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _beside_prefills
+    from pdserve.bench.profiler import _beside_prefills
 
     eng = engine(1, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
@@ -884,7 +884,7 @@ def test_prompts_packed_in_one_prefill_step_read_the_whole_step() -> None:
     in a step far apart is another step."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _prefill_steps
+    from pdserve.bench.profiler import _prefill_steps
 
     def rec(sent: float, queue: float, share: float) -> SimpleNamespace:
         return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 2 * share + 0.05, sent + 3.0],
@@ -905,7 +905,7 @@ def test_a_long_disaggregated_gap_is_kept_as_the_token_gap_tail() -> None:
     prompts: such a gap is a late delivery or a stalled step, the tail the jitter must carry."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _staggered_gaps
+    from pdserve.bench.profiler import _staggered_gaps
 
     eng = engine(1, decode=(0.02, 0.03, 0.06))         # its 128-token prefill 0.1 s: half is 0.05
     def ticks(start: float, end: float, hiccup: float) -> list[float]:
@@ -930,7 +930,7 @@ def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_qu
     record's queue and prefill is the overhead, whatever those two were."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import _staggered_first_token_overhead
+    from pdserve.bench.profiler import _staggered_first_token_overhead
 
     def rec(sent: float, queue: float, prefill: float, over: float, end: float) -> SimpleNamespace:
         first = sent + queue + prefill + over
@@ -958,7 +958,7 @@ def test_the_first_token_overhead_is_read_apart_for_prompts_that_waited_at_the_p
     is each over its own kind's median, pooled."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profile import QUEUED_S, TTFT_QUANTILES, _staggered_first_token_overhead
+    from pdserve.bench.profiler import QUEUED_S, TTFT_QUANTILES, _staggered_first_token_overhead
 
     def rec(sent: float, queue: float, over: float, end: float = 60.0) -> SimpleNamespace:
         return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 0.07 + over, end],
@@ -1017,7 +1017,7 @@ def test_the_first_token_overhead_is_drawn_per_request_from_its_spread_in_drawn_
 
 
 def test_the_jitter_quantiles_are_read_over_their_median() -> None:
-    from pdserve.bench.profile import JITTER_QUANTILES, _jitter_quantiles
+    from pdserve.bench.profiler import JITTER_QUANTILES, _jitter_quantiles
 
     values = [0.04] * 90 + [0.12] * 10          # one gap in ten three times the median
     q = _jitter_quantiles(values)
@@ -1071,7 +1071,7 @@ def test_drawn_steps_are_reproducible_per_seed_and_take_the_profiles_time_on_ave
 
 def test_bench_simulate_averages_each_figure_over_the_drawn_histories() -> None:
     from pdserve.bench.serve_load import RequestRecord
-    from pdserve.bench.simulate import METRICS, sim_figures
+    from pdserve.bench.sim_accuracy import METRICS, sim_figures
 
     shaky = profile().with_serving("colocated", ServingProfile(itl_jitter=[0.8] * 30 + [1.0] * 40 + [1.4] * 30))
     sent = 100.0 + np.cumsum(np.random.default_rng(5).exponential(0.06, 120))
@@ -1089,7 +1089,7 @@ def test_bench_simulate_averages_each_figure_over_the_drawn_histories() -> None:
 
 
 def test_bench_simulate_takes_each_figure_of_a_load_as_the_median_of_its_repeats() -> None:
-    from pdserve.bench.simulate import METRICS, repeat_figures
+    from pdserve.bench.sim_accuracy import METRICS, repeat_figures
 
     def figures(ttft_p99: float, itl_p50: float) -> dict[str, float]:
         return {"ttft_p50": 0.1, "ttft_p99": ttft_p99, "itl_p50": itl_p50, "itl_p99": 0.08, "throughput": 90.0}
@@ -1109,7 +1109,7 @@ def test_bench_simulate_takes_each_figure_of_a_load_as_the_median_of_its_repeats
 
 
 def test_a_load_whose_first_real_repeats_disagree_runs_more_and_the_rule_reads_only_real_runs() -> None:
-    from pdserve.bench.simulate import METRICS, real_spread, repeats_wanted
+    from pdserve.bench.sim_accuracy import METRICS, real_spread, repeats_wanted
 
     def figs(itl_p50: float, throughput: float = 100.0) -> dict:
         return {m: 0.1 for m in METRICS} | {"itl_p50": itl_p50, "throughput": throughput}
@@ -1129,7 +1129,7 @@ def test_a_load_whose_first_real_repeats_disagree_runs_more_and_the_rule_reads_o
 def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> None:
     import argparse
 
-    from pdserve.bench.simulate import add_args, run
+    from pdserve.bench.sim_accuracy import add_args, run
 
     parser = argparse.ArgumentParser()
     add_args(parser)
@@ -1146,7 +1146,7 @@ def test_bench_simulate_refuses_a_negative_number_of_drawn_histories(capsys) -> 
 def test_bench_simulate_refuses_records_where_a_file_stands(capsys, tmp_path: Path) -> None:
     import argparse
 
-    from pdserve.bench.simulate import add_args, run
+    from pdserve.bench.sim_accuracy import add_args, run
 
     parser = argparse.ArgumentParser()
     add_args(parser)
@@ -1169,7 +1169,7 @@ def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> Non
 
 
 def test_staggered_streams_run_enough_rounds_to_read_the_jitter_tail() -> None:
-    from pdserve.bench.profile import BUSY_OUT, STAGGER_MIN_GAPS, STAGGER_ROUNDS, _stagger_rounds
+    from pdserve.bench.profiler import BUSY_OUT, STAGGER_MIN_GAPS, STAGGER_ROUNDS, _stagger_rounds
 
     assert _stagger_rounds(8) == STAGGER_ROUNDS == _stagger_rounds(32, STAGGER_MIN_GAPS)
     assert _stagger_rounds(3, STAGGER_MIN_GAPS) == 6

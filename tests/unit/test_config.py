@@ -13,7 +13,7 @@ import yaml
 from pdserve.cluster.config import ClusterConfig, ConfigError
 from pdserve.cluster.config_io import (apply_env, apply_overrides, config_from_model, config_to_yaml, json_schema,
                                        load_config)
-from pdserve.cluster.planner import PlannerPolicy
+from pdserve.capacity.planner import PlannerPolicy
 from pdserve.engine.config import EngineConfig, EngineMode
 from pdserve.engine.errors import InvalidRequestError
 
@@ -57,7 +57,7 @@ def test_model_dir_alone_gives_a_complete_single_machine_config(tmp_path: Path) 
     assert config.model.path == model_dir and config.model.path.is_absolute()
     assert config.model.served_name == "tiny-llama"
     for pool in (config.prefill, config.decode):
-        # max_replicas unset: the pool may grow while Ray has room (cluster/pool_manager.auto_max_replicas)
+        # max_replicas unset: the pool may grow while Ray has room (cluster/control/pool_manager.auto_max_replicas)
         assert (pool.min_replicas, pool.initial_replicas, pool.max_replicas) == (1, 1, None)
         assert pool.resources == {} and pool.num_gpus == 0
     assert config.router.host == "127.0.0.1" and config.ray.node_ip_address == "127.0.0.1"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from pdserve.cluster.config_io import apply_overrides, config_from_model
-from pdserve.cluster.core_allocator import CoreAllocator, wanted_threads
+from pdserve.cluster.runtime.core_allocator import CoreAllocator, wanted_threads
 
 
 def test_threads_follow_num_cpus_unless_overridden_and_fit_the_cores():

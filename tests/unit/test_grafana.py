@@ -1,4 +1,4 @@
-"""The Grafana dashboard and docs/metrics.md agree with the metric catalogue in pdserve.cluster.metrics."""
+"""The Grafana dashboard and docs/metrics.md agree with the metric catalogue in pdserve.cluster.runtime.metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.metrics import METRICS, MetricKind, MetricSpec
+from pdserve.cluster.runtime.metrics import METRICS, MetricKind, MetricSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "k8s" / "grafana" / "pdserve-dashboard.json"
@@ -40,7 +40,7 @@ def _spec_of(series: str) -> MetricSpec:
     base, _, suffix = series.rpartition("_")
     spec = BY_SCRAPED.get(base)
     if spec is None or spec.kind is not MetricKind.HISTOGRAM or suffix not in ("bucket", "sum", "count"):
-        raise AssertionError(f"{series} is not a metric pdserve.cluster.metrics defines")
+        raise AssertionError(f"{series} is not a metric pdserve.cluster.runtime.metrics defines")
     return spec
 
 
@@ -112,7 +112,7 @@ def test_engine_metrics_read_fields_the_engine_stats_have() -> None:
     leave its gauge or counter silently unset."""
     from dataclasses import fields
 
-    from pdserve.cluster.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES
+    from pdserve.cluster.runtime.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES
     from pdserve.engine.llm_engine import EngineStats
 
     names = {f.name for f in fields(EngineStats)}

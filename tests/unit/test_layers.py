@@ -21,7 +21,7 @@ ALLOWED = {
     "cluster": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "capacity"},
     "bench": {"engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router", "proto", "cluster",
               "capacity"},
-    "pdserve": {"engine", "cluster", "bench"},
+    "pdserve": {"engine", "cluster", "bench", "capacity"},
 }
 RAY_ALLOWED = ("cluster/", "bench/", "router/worker_pool.py")   # the router's one seam to Ray actors
 REDIS_ALLOWED = ("cluster/", "bench/")

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.cluster.config_io import load_config
-from pdserve.cluster.model_fetch import missing_files
+from pdserve.cluster.cli.model_fetch import missing_files
 from pdserve.engine.errors import InvalidRequestError
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pdserve.engine.contract import WorkerRole
-from pdserve.cluster.planner import (Planner, PlannerPolicy, PoolState, ScaleAction,
+from pdserve.capacity.planner import (Planner, PlannerPolicy, PoolState, ScaleAction,
                                      WorkerMetrics, decide_pool, pick_drain_target)
 
 NOW = 10_000.0
@@ -280,7 +280,7 @@ def test_above_max_replicas_is_repaired_without_waiting_for_a_quiet_spell() -> N
 
 
 def test_at_max_replicas_the_reason_says_which_resource_is_missing() -> None:
-    from pdserve.cluster.pool_manager import headroom, replica_needs
+    from pdserve.cluster.control.pool_manager import headroom, replica_needs
 
     full = headroom("decode", replica_needs(1.0, 0.0, {}), {"CPU": 0.0}, {"CPU": 2.0})
     assert full == ("another decode replica needs 1 CPU (0 of 2 free): add a node (or free those resources) "
@@ -303,7 +303,7 @@ def test_at_max_replicas_the_reason_says_which_resource_is_missing() -> None:
 def test_an_unset_max_replicas_is_what_ray_has_room_for() -> None:
     """max_replicas unset: a pool may grow while Ray's free resources hold one more replica (every
     resource it needs), never below what it started with, and not at all when Ray cannot say."""
-    from pdserve.cluster.pool_manager import auto_max_replicas, fits, replica_needs
+    from pdserve.cluster.control.pool_manager import auto_max_replicas, fits, replica_needs
 
     one_cpu = replica_needs(1.0, 0.0, {})
     assert fits(one_cpu, {"CPU": 3.5}) == 3

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.config_io import apply_overrides, config_from_model
-from pdserve.cluster.pool_manager import PoolManager
+from pdserve.cluster.control.pool_manager import PoolManager
 from pdserve.router.worker_pool import WorkerPool
 
 
@@ -127,8 +127,8 @@ class FakeActor:
 
 def fake_starts(monkeypatch: pytest.MonkeyPatch, fail_first: int = 0):
     """Replace Ray's worker start with fake actors; the first ``fail_first`` starts raise."""
-    from pdserve.cluster import pool_manager
-    from pdserve.cluster.workers import WorkerHandle
+    from pdserve.cluster.control import pool_manager
+    from pdserve.cluster.runtime.workers import WorkerHandle
 
     started: list[FakeActor] = []
     stopped: list[str] = []
@@ -147,7 +147,7 @@ def fake_starts(monkeypatch: pytest.MonkeyPatch, fail_first: int = 0):
 
 
 def with_peers(m: PoolManager, role: str, peers: dict[str, FakeActor]) -> None:
-    from pdserve.cluster.workers import WorkerHandle
+    from pdserve.cluster.runtime.workers import WorkerHandle
 
     m.pools[role].handles.clear()
     for wid, actor in peers.items():

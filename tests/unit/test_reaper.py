@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from pdserve.cluster.ledger import KVLedger, LedgerState, Side
-from pdserve.cluster.reaper import LeaseReaper
-from pdserve.cluster.redis_server import connect
+from pdserve.cluster.state.ledger import KVLedger, LedgerState, Side
+from pdserve.cluster.control.reaper import LeaseReaper
+from pdserve.cluster.state.redis_server import connect
 
 pytestmark = pytest.mark.slow  # needs a Redis server process
 S = LedgerState

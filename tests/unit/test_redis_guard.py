@@ -16,9 +16,9 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pdserve.cluster.ledger import InvalidTransitionError, LedgerState
-from pdserve.cluster.ledger_writer import LedgerWriter
-from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
+from pdserve.cluster.state.ledger import InvalidTransitionError, LedgerState
+from pdserve.cluster.control.ledger_writer import LedgerWriter
+from pdserve.cluster.state.redis_guard import RedisGuard, RedisUnavailableError
 
 S = LedgerState
 
@@ -87,7 +87,7 @@ def test_an_outage_opens_the_breaker_once_and_later_calls_fail_at_once(
             took.append(time.perf_counter() - t0)
         return took
 
-    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.redis_guard"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.state.redis_guard"):
         took = asyncio.run(run())
     assert not guard.up and guard.outages == 1
     assert guard.stats().dropped == {"ledger": 1, "request_log": 50}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.cluster import launcher
+from pdserve.cluster.head import launcher
 from pdserve.cluster.config import ConfigError
 from pdserve.cluster.config_io import apply_overrides, config_from_model, config_to_yaml
 from pdserve.cluster.redact import redact_url, split_password

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.cluster.sim_planner import PlannerSetup, PoolBounds, SimPlanner
+from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds, SimPlanner
+from pdserve.cluster.config_io import load_planner_setup
 from pdserve.capacity.simulate import ClusterShape, simulate
-from pdserve.cluster.planner import PlannerPolicy
+from pdserve.capacity.planner import PlannerPolicy
 from tests.unit.test_capacity import profile
 
 POLICY = PlannerPolicy(ttft_slo_ms=2000, itl_slo_ms=100, scale_up_cooldown_s=10, scale_down_cooldown_s=20,
@@ -120,13 +121,13 @@ def test_setup_comes_from_a_cluster_config_and_refuses_what_it_cannot_simulate(t
                    "decode: {min_replicas: 1, max_replicas: 6}\n"
                    "router: {disaggregation: {mode: always}}\nslo: {ttft_ms: 1500, itl_ms: 80}\n"
                    "planner: {interval_s: 7, scale_up_cooldown_s: 11}\n")
-    s, mode = PlannerSetup.from_config(cfg, worker_start_s=12.0)
+    s, mode = load_planner_setup(cfg, worker_start_s=12.0)
     assert mode == "disaggregated" and s.interval_s == 7 and s.worker_start_s == 12.0 and not s.use_model
     assert (s.prefill.min_replicas, s.prefill.initial, s.prefill.max_replicas) == (0, 1, 3)
     assert (s.decode.min_replicas, s.decode.initial, s.decode.max_replicas) == (1, 1, 6)
     assert s.policy.ttft_slo_ms == 1500 and s.policy.scale_up_cooldown_s == 11
     cfg.write_text("model: {path: /models/x}\ndecode: {min_replicas: 1}\n")
     with pytest.raises(ValueError, match="max_replicas to simulate"):
-        PlannerSetup.from_config(cfg, worker_start_s=1.0)
+        load_planner_setup(cfg, worker_start_s=1.0)
     with pytest.raises(ValueError, match="initial"):
         PoolBounds(2, 1, 3)

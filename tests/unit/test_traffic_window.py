@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.capacity.profile import EngineProfile, Profile, TransferProfile
-from pdserve.cluster.traffic_window import MIN_REQUESTS, CapacityModel, TrafficWindow
+from pdserve.capacity.traffic_window import MIN_REQUESTS, CapacityModel, TrafficWindow
 from pdserve.engine.contract import RequestPhase, RequestRecord
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ray
 
-from pdserve.cluster.workers import ACTOR_PREFIX, actor_options
+from pdserve.cluster.runtime.workers import ACTOR_PREFIX, actor_options
 
 
 class _Probe:

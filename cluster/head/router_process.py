@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
     """(Ray address, Redis URL, Redis password) this router joins: the config's, else the local
     head's. ``InvalidRequestError`` when the control plane is not elected or nothing is there to join."""
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     if not config.control_plane.election:
         raise InvalidRequestError("pdserve router joins a cluster whose control plane is elected: set "
@@ -47,9 +47,9 @@ def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
 
 
 async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None) -> None:
-    from pdserve.cluster import launcher
-    from pdserve.cluster.ray_env import use_loopback, use_routable, use_token_auth_if_available
-    from pdserve.cluster.router_service import RouterService
+    from pdserve.cluster.head import launcher
+    from pdserve.cluster.runtime.ray_env import use_loopback, use_routable, use_token_auth_if_available
+    from pdserve.cluster.head.router_service import RouterService
     from pdserve.engine.gc_freeze import freeze_startup_heap
 
     ray_address, redis_url, password = join_settings(config)
@@ -89,7 +89,7 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
 
 
 def run_router(config: ClusterConfig) -> int:
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

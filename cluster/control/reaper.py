@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.cluster.ledger import (
+from pdserve.cluster.state.ledger import (
     InvalidTransitionError,
     KVLedger,
     LedgerEntry,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from pdserve.cluster.redis_server import EmbeddedRedis, RedisServerError
+from pdserve.cluster.state.redis_server import EmbeddedRedis, RedisServerError
 
 logger = logging.getLogger(__name__)
 

@@ -111,7 +111,7 @@ async def _plain_session(base_url: str, model: str, max_tokens: int) -> None:
 
 async def _demo(model_dir: str, served_name: str | None, max_tokens: int, chat: bool) -> None:
     from pdserve.cluster.config_io import apply_overrides, config_from_model
-    from pdserve.cluster.launcher import serve
+    from pdserve.cluster.head.launcher import serve
 
     overrides = {
         "router.http_port": 0, "router.grpc_port": 0, "planner.enabled": False,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import redis
 
-from pdserve.cluster.redis_server import connect
+from pdserve.cluster.state.redis_server import connect
 
 _MIN_BLOCK_MS = 10
 

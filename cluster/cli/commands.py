@@ -70,7 +70,7 @@ def _add_config_source(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     overrides = list(args.set) + ([f"ray.address={args.address}"] if args.address else [])
     load_cli_config(args.config, args.model, overrides)  # fail fast on a bad config, before forking
@@ -80,7 +80,7 @@ def _up(args: argparse.Namespace) -> int:
 def _head(args: argparse.Namespace) -> int:
     import logging
 
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     logging.getLogger().setLevel(logging.INFO)
     overrides = list(args.set)
@@ -90,7 +90,7 @@ def _head(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from pdserve.cluster.router_process import join_settings, run_router
+    from pdserve.cluster.head.router_process import join_settings, run_router
 
     config = load_cli_config(args.config, args.model, list(args.set))
     join_settings(config)  # refuse at once: no elected control plane, or nothing to join
@@ -98,13 +98,13 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     return launcher.down(args.timeout)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     status = launcher.fetch_status()
     if status is None:
@@ -143,7 +143,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
-    from pdserve.cluster.model_fetch import prepare_model
+    from pdserve.cluster.cli.model_fetch import prepare_model
 
     # the model directory may not exist yet: that is what this command is for
     print(prepare_model(load_cli_config(args.config, None, args.set, offline=True)), flush=True)
@@ -151,8 +151,8 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _requests(args: argparse.Namespace) -> int:
-    from pdserve.cluster import launcher
-    from pdserve.cluster.request_log import RequestLog
+    from pdserve.cluster.head import launcher
+    from pdserve.cluster.state.request_log import RequestLog
 
     client = launcher.state_redis_client(args.redis_url)  # the password from the 0600 state file
     if client is None:
@@ -181,7 +181,7 @@ def _format_request(entry: dict) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pdserve.cluster.demo import run_demo
+    from pdserve.cluster.cli.demo import run_demo
 
     return run_demo(args)
 

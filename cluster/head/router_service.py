@@ -20,16 +20,16 @@ from dataclasses import dataclass
 
 from pdserve.engine.contract import ClusterStatus, PoolStatus, RequestRecord, WorkerRole, WorkerStats, WorkerStatus
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.ledger import KVLedger, Side
-from pdserve.cluster.leader import LeaderLease
-from pdserve.cluster.ledger_writer import LedgerWriter
-from pdserve.cluster.pool_manager import PoolManager
-from pdserve.cluster.reaper import LeaseReaper
-from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
-from pdserve.cluster.redis_server import connect
-from pdserve.cluster.batch_store import RedisBatchStore
-from pdserve.cluster.request_log import RequestLog
-from pdserve.cluster.worker_registry import RouterRecord, WorkerRegistry
+from pdserve.cluster.state.ledger import KVLedger, Side
+from pdserve.cluster.control.leader import LeaderLease
+from pdserve.cluster.control.ledger_writer import LedgerWriter
+from pdserve.cluster.control.pool_manager import PoolManager
+from pdserve.cluster.control.reaper import LeaseReaper
+from pdserve.cluster.state.redis_guard import RedisGuard, RedisUnavailableError
+from pdserve.cluster.state.redis_server import connect
+from pdserve.cluster.state.batch_store import RedisBatchStore
+from pdserve.cluster.state.request_log import RequestLog
+from pdserve.cluster.state.worker_registry import RouterRecord, WorkerRegistry
 from pdserve.engine.loader import load_model_spec
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeyAuth, grpc_server_credentials, server_ssl_context
@@ -117,7 +117,7 @@ class RouterService:
             self.redis_client = connect(redis_url, socket_timeout_s=REDIS_SOCKET_TIMEOUT_S,
                                         retries=REDIS_RETRIES, password=redis_password,
                                         ssl_ca_file=str(ca) if ca is not None else None)
-            from pdserve.cluster.metrics import RedisMetrics
+            from pdserve.cluster.runtime.metrics import RedisMetrics
 
             self.redis_metrics = RedisMetrics()
             self.redis_guard = RedisGuard(self.redis_client, on_drop=self.redis_metrics.dropped,
@@ -183,7 +183,7 @@ class RouterService:
         admission = Admission(AdmissionConfig(max_in_flight=capacity, max_queued=cfg.router.max_queued_requests))
         # one request's share of the slots: the setting, or by default 16 (less when capacity is less)
         max_choices = min(cfg.router.max_choices_per_request or DEFAULT_MAX_CHOICES, capacity)
-        from pdserve.cluster.metrics import PlannerMetrics, RayRouterMetrics
+        from pdserve.cluster.runtime.metrics import PlannerMetrics, RayRouterMetrics
 
         self.metrics = RayRouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()

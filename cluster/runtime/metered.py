@@ -1,4 +1,4 @@
-"""Worker actor classes that also publish Ray metrics (``cluster/metrics.py``) from inside the
+"""Worker actor classes that also publish Ray metrics (``cluster/runtime/metrics.py``) from inside the
 worker process. The worker services themselves stay free of Ray; this module gives them an
 observer (``worker.base.WorkerObserver``) whose hooks they call as things happen."""
 
@@ -24,7 +24,7 @@ class _Publisher:
     """Pushes the engine's stats into the metrics every second, on its own thread."""
 
     def __init__(self, worker, role: str) -> None:
-        from pdserve.cluster.metrics import EngineMetrics
+        from pdserve.cluster.runtime.metrics import EngineMetrics
 
         model = worker.engine.config.model_dir.rstrip("/").rsplit("/", 1)[-1] or model_identity(
             worker.engine.config.model_dir)

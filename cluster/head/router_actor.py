@@ -41,7 +41,7 @@ class RouterActor:
         self.service = None
 
     async def start(self) -> dict:
-        from pdserve.cluster.router_service import RouterService
+        from pdserve.cluster.head.router_service import RouterService
         from pdserve.engine.gc_freeze import freeze_startup_heap
 
         logging.getLogger("pdserve").setLevel(logging.INFO)
@@ -53,7 +53,7 @@ class RouterActor:
 
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop taking requests, let this router's streams finish (bounded), leave the cluster."""
-        from pdserve.cluster.launcher import _drain
+        from pdserve.cluster.head.launcher import _drain
 
         if self.service is None:
             return

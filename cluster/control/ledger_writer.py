@@ -30,8 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdserve.cluster.ledger import EntryNotFoundError, InvalidTransitionError, KVLedger, LedgerState
-from pdserve.cluster.redis_guard import RedisGuard, RedisUnavailableError
+from pdserve.cluster.state.ledger import EntryNotFoundError, InvalidTransitionError, KVLedger, LedgerState
+from pdserve.cluster.state.redis_guard import RedisGuard, RedisUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pdserve.engine.contract import WorkerStats
 from pdserve.engine.errors import CompatibilityError
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
-from pdserve.cluster.traffic_window import CapacityModel, TrafficWindow
-from pdserve.cluster.worker_registry import WorkerRecord, WorkerRegistry
-from pdserve.cluster.workers import ACTOR_PREFIX, WorkerHandle, start_worker, stop_worker
+from pdserve.capacity.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
+from pdserve.capacity.traffic_window import CapacityModel, TrafficWindow
+from pdserve.cluster.state.worker_registry import WorkerRecord, WorkerRegistry
+from pdserve.cluster.runtime.workers import ACTOR_PREFIX, WorkerHandle, start_worker, stop_worker
 from pdserve.router.worker_pool import WorkerPool, remote_error
 
 logger = logging.getLogger(__name__)

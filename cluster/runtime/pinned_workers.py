@@ -1,6 +1,6 @@
-"""The Ray actor classes of the workers: metered workers (``cluster/metered.py``) that first claim
+"""The Ray actor classes of the workers: metered workers (``cluster/runtime/metered.py``) that first claim
 distinct cores of their host and compute on as many threads as Ray gave them CPUs
-(``cluster/core_allocator.py``). Ray itself sets ``OMP_NUM_THREADS=1`` for a 1-CPU actor and
+(``cluster/runtime/core_allocator.py``). Ray itself sets ``OMP_NUM_THREADS=1`` for a 1-CPU actor and
 would leave a 4-CPU worker computing on one thread."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 import time
 from dataclasses import replace
 
-from pdserve.cluster.core_allocator import CoreAllocator, place_this_process
-from pdserve.cluster.metered import MeteredDecodeWorker, MeteredPrefillWorker
+from pdserve.cluster.runtime.core_allocator import CoreAllocator, place_this_process
+from pdserve.cluster.runtime.metered import MeteredDecodeWorker, MeteredPrefillWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.contract import WorkerStats
 from pdserve.engine.gc_freeze import freeze_startup_heap

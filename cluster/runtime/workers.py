@@ -28,9 +28,9 @@ class WorkerHandle:
 
 
 def _actor_class(role: str) -> type:
-    """The worker service class of a role, with Ray metrics (see ``cluster/metered.py``), pinned
-    to cores of its own (``cluster/pinned_workers.py``)."""
-    from pdserve.cluster.pinned_workers import PinnedDecodeWorker, PinnedPrefillWorker
+    """The worker service class of a role, with Ray metrics (see ``cluster/runtime/metered.py``), pinned
+    to cores of its own (``cluster/runtime/pinned_workers.py``)."""
+    from pdserve.cluster.runtime.pinned_workers import PinnedDecodeWorker, PinnedPrefillWorker
 
     if role == "prefill":
         return PinnedPrefillWorker

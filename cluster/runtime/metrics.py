@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.cluster.planner import PlannerDecision
+    from pdserve.capacity.planner import PlannerDecision
     from pdserve.engine.llm_engine import EngineStats
     from pdserve.engine.contract import RequestPhase, RequestRecord
 

@@ -71,7 +71,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _planner(args: argparse.Namespace, profile):
     """The simulated planner from ``--planner CONFIG``: (SimPlanner, mode)."""
-    from pdserve.cluster.sim_planner import PlannerSetup, SimPlanner
+    from pdserve.capacity.sim_planner import SimPlanner
+    from pdserve.cluster.config_io import load_planner_setup
     from pdserve.engine.errors import InvalidRequestError
 
     given = [f for f, v in (("--prefill", args.prefill), ("--decode", args.decode), ("--mode", args.mode))
@@ -80,7 +81,7 @@ def _planner(args: argparse.Namespace, profile):
         raise InvalidRequestError(f"with --planner the mode and the pools' sizes come from {args.planner} "
                                   f"(disaggregation.mode; initial, min and max replicas): drop {', '.join(given)}")
     start = profile.worker_start_s if args.worker_start_s is None else args.worker_start_s
-    setup, mode = PlannerSetup.from_config(args.planner, worker_start_s=start)   # ConfigError: a 4xx already
+    setup, mode = load_planner_setup(args.planner, worker_start_s=start)   # ConfigError: a 4xx already
     max_seqs = int(profile.engine["max_num_seqs"])
     return SimPlanner(setup, profile, mode, max_seqs), mode
 
@@ -131,13 +132,13 @@ def _add_link(p: argparse.ArgumentParser) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from pdserve.bench.profile import run
+    from pdserve.bench.profiler import run
 
     return run(args)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pdserve.bench import profile
+    from pdserve.bench import profiler as profile
 
     p = sub.add_parser("profile", help="measure a model on this host into a capacity profile (JSON)",
                        description=(profile.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,7 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_simulate)
 
 
-def main() -> int:   # pragma: no cover - `python -m pdserve.bench.capacity_cli`
+def main() -> int:   # pragma: no cover - `python -m pdserve.capacity_cmd`
     parser = argparse.ArgumentParser(prog="pdserve")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args()

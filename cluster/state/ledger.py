@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pdserve.cluster.redis_server import connect
+from pdserve.cluster.state.redis_server import connect
 from pdserve.engine.errors import PdserveError
 from pdserve.router.ledger_port import LedgerState  # noqa: F401  (the ledger's states; re-exported)
 

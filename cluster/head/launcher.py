@@ -10,7 +10,7 @@ directory and publishes its status to Redis every second, which is what ``status
 
 A head that died without its clean-up (SIGKILL, OOM kill) leaves processes running: ``head.json``
 (written before the head starts anything) and ``state.json`` record who the head was
-(``cluster/head_processes.py``), so ``down`` ends what it left (SIGTERM,
+(``cluster/head/head_processes.py``), so ``down`` ends what it left (SIGTERM,
 then SIGKILL, bounded) before it removes the state, ``status`` says the head is dead and names
 what still runs (exit code 3), and ``up`` refuses to start beside those leftovers.
 
@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.head_processes import (HEAD_ID_ENV, HeadIdentity, Proc, describe, leftovers, new_head_id,
+from pdserve.cluster.head.head_processes import (HEAD_ID_ENV, HeadIdentity, Proc, describe, leftovers, new_head_id,
                                             stop_leftovers)
 from pdserve.cluster.pids import boot_id, start_ticks
-from pdserve.cluster.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
+from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
 from pdserve.cluster.redact import split_password
 from pdserve.engine.contract import ClusterStatus
 from pdserve.engine.gc_freeze import freeze_startup_heap
@@ -151,9 +151,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         _write_private(head_file(), json.dumps(identity.as_state(), indent=2))
     import ray
 
-    from pdserve.cluster.redis_server import EmbeddedRedis
-    from pdserve.cluster.redis_supervisor import RedisSupervisor
-    from pdserve.cluster.router_service import RouterService
+    from pdserve.cluster.state.redis_server import EmbeddedRedis
+    from pdserve.cluster.state.redis_supervisor import RedisSupervisor
+    from pdserve.cluster.head.router_service import RouterService
 
     started_ray = False
     if not ray.is_initialized():
@@ -199,7 +199,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
     try:
         endpoints = await service.start()
         if config.router.replicas > 1:
-            from pdserve.cluster.router_actor import start_router_actors
+            from pdserve.cluster.head.router_actor import start_router_actors
 
             started = await asyncio.to_thread(start_router_actors, config, redis_url, password,
                                               detached=not started_ray)
@@ -235,7 +235,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         await _drain(service)
     finally:
         if router_actors:
-            from pdserve.cluster.router_actor import stop_router_actors
+            from pdserve.cluster.head.router_actor import stop_router_actors
 
             await asyncio.to_thread(stop_router_actors, router_actors)
         try:
@@ -278,7 +278,7 @@ def _write_redis_password(password: str | None) -> None:
 
 def state_redis_client(url: str | None = None) -> redis.Redis | None:
     """A Redis client for CLI commands, from the state file (URL, CA) and the password file."""
-    from pdserve.cluster.redis_server import connect
+    from pdserve.cluster.state.redis_server import connect
 
     st = read_state() or {}
     url = url or st.get("redis_url")
@@ -392,7 +392,7 @@ def up(config_path: str | None, model: str | None, overrides: list[str], foregro
             return 1
         _remove_state()  # a dead head that left nothing running
     if foreground:
-        from pdserve.cluster.cli import load_cli_config
+        from pdserve.cluster.cli.commands import load_cli_config
 
         return run_head(load_cli_config(config_path, model, overrides))
     args = [sys.executable, "-m", "pdserve.cli", "_head"]

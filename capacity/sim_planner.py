@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdserve.capacity.profile import Profile
-from pdserve.cluster.planner import Planner, PlannerDecision, PlannerPolicy, PoolState, ScaleAction, WorkerMetrics
-from pdserve.cluster.traffic_window import CapacityModel, TrafficWindow
+from pdserve.capacity.planner import Planner, PlannerDecision, PlannerPolicy, PoolState, ScaleAction, WorkerMetrics
+from pdserve.capacity.traffic_window import CapacityModel, TrafficWindow
 from pdserve.engine.contract import WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,8 @@ class PoolBounds:
 
 @dataclass(frozen=True, slots=True)
 class PlannerSetup:
-    """What the simulated planner runs with (``from_config`` reads it from a cluster config)."""
+    """What the simulated planner runs with (``cluster/config_io.load_planner_setup`` reads it from
+    a cluster config)."""
 
     policy: PlannerPolicy
     prefill: PoolBounds
@@ -55,31 +55,6 @@ class PlannerSetup:
             raise ValueError("interval_s and window_s must be > 0, worker_start_s >= 0")
         if self.decode.min_replicas < 1:
             raise ValueError("the simulated planner needs decode.min_replicas >= 1")
-
-    @classmethod
-    def from_config(cls, path: str | Path, *, worker_start_s: float) -> tuple[PlannerSetup, str]:
-        """The planner settings, pool bounds and mode of a cluster config file: (setup, mode)."""
-        from pdserve.cluster.config_io import load_config
-
-        config = load_config(path, check_paths=False)
-        mode = {"always": "disaggregated", "conditional": "conditional",
-                "never": "colocated"}[config.router.disaggregation.mode]
-        bounds = {}
-        for name in ("prefill", "decode"):
-            pool = getattr(config, name)
-            if pool.max_replicas is None:
-                raise ValueError(f"{path}: set {name}.max_replicas to simulate the planner (the default, "
-                                 f"'as many as Ray has room for', depends on a real cluster)")
-            if mode == "colocated" and name == "prefill":
-                bounds[name] = PoolBounds(0, 0, 0)
-            else:
-                bounds[name] = PoolBounds(pool.min_replicas, pool.initial_replicas, pool.max_replicas)
-        p = config.planner
-        if not p.enabled:
-            raise ValueError(f"{path}: planner.enabled is false; nothing to simulate")
-        setup = cls(config.planner_policy(), bounds["prefill"], bounds["decode"], interval_s=p.interval_s,
-                    worker_start_s=worker_start_s, use_model=p.profile is not None, window_s=p.traffic_window_s)
-        return setup, mode
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import redis
 
-from pdserve.cluster.redis_guard import RedisUnavailableError
+from pdserve.cluster.state.redis_guard import RedisUnavailableError
 from pdserve.router.auth import ANONYMOUS
 from pdserve.router.batch_input import is_batch_id, is_file_id
 

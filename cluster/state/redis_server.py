@@ -4,7 +4,7 @@
 that wheel is absent, a ``valkey-server``/``redis-server`` found on ``PATH``) as a child
 process: loopback only unless told otherwise, an optional password, and an optional data
 directory with append-only-file persistence so that ``restart()`` keeps the KV ledger. One
-server per data directory: ``start()`` takes the directory's lock (``cluster/data_dir_lock.py``),
+server per data directory: ``start()`` takes the directory's lock (``cluster/state/data_dir_lock.py``),
 which the server process inherits, so a second server on a directory in use is refused, also
 while a server whose owner was killed still runs there.
 
@@ -41,7 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from pdserve.cluster.data_dir_lock import DataDirLock
+from pdserve.cluster.state.data_dir_lock import DataDirLock
 from pdserve.engine.errors import PdserveError
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ How one pool is decided, in order:
    The replica to drain is the least loaded warm worker.
 5. Otherwise hold. Every decision carries a reason an operator can read in the logs.
 
-With a capacity model (``planner.profile``: ``cluster/traffic_window.py``), the caller also passes
+With a capacity model (``planner.profile``: ``capacity/traffic_window.py``), the caller also passes
 each pool's ``model_target``: the replicas the profile says the observed traffic needs, with the
 arithmetic. The threshold rules above stay as guard rails around it:
 

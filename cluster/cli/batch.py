@@ -29,7 +29,7 @@ class BatchCliError(Exception):
 def _base(args: argparse.Namespace) -> str:
     if args.url:
         return args.url.rstrip("/")
-    from pdserve.cluster import launcher
+    from pdserve.cluster.head import launcher
 
     st = launcher.read_state()
     if not st or not st.get("http"):
