@@ -25,13 +25,13 @@ fallback is a recompute, never a lost stream.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
 
 from pdserve.engine.contract import StepOutput
 from pdserve.engine.errors import OutOfBlocksError, PdserveError
+from pdserve.engine.sampling_params import continuation
 from pdserve.engine.sequence import SequenceStatus
 from pdserve.kv_transfer import KVSender, SendState, TransferParams
 
@@ -76,10 +76,7 @@ class MigrationMixin:
         owner = self._owner_of.get(rid, "")
         resume_key = self._resume_key_of.get(rid, "")
         done, last = list(seq.output_token_ids[:-1]), seq.output_token_ids[-1]
-        prompt = list(seq.prompt_token_ids) + done
-        p = seq.params
-        params = dataclasses.replace(p, max_tokens=p.max_tokens - len(done), min_tokens=max(0, p.min_tokens - len(done)),
-                                     prior_output=tuple(p.prior_output) + tuple(done), prompt_logprobs=None)
+        prompt, params = continuation(seq.prompt_token_ids, seq.params, done, prompt_logprobs_sent=True)
         error = "no other decode worker has room for its KV"
         for target_id, target in targets:
             try:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.structured import StructuredOutput
@@ -214,3 +215,20 @@ class SamplingParams:
                 raise InvalidRequestError(f"logprobs must be an integer, got {self.logprobs!r}")
             if not (0 <= self.logprobs <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+
+def continuation(prompt_token_ids: Sequence[int], params: SamplingParams, produced: Sequence[int], *,
+                 prompt_logprobs_sent: bool) -> tuple[list[int], SamplingParams]:
+    """The prompt and parameters that continue a request after ``produced``, output tokens the
+    client already got, on another worker (a migration, or a retry after a worker was lost).
+
+    The new prompt is the old one followed by ``produced`` (prefilled again, or its KV moved);
+    ``max_tokens`` and ``min_tokens`` are what is left of the budgets; ``prior_output`` grows by
+    ``produced``, so penalties, seeded draws and the grammar go on after them; and
+    ``prompt_logprobs`` is dropped once ``prompt_logprobs_sent`` (the client has them with the
+    first token)."""
+    n = len(produced)
+    new = replace(params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n),
+                  prior_output=params.prior_output + tuple(produced),
+                  prompt_logprobs=None if prompt_logprobs_sent else params.prompt_logprobs)
+    return [*prompt_token_ids, *produced], new

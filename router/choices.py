@@ -17,6 +17,10 @@ slot, phase record and log entry), forked from the prompt's ``PreparedRequest``:
   choice still running is aborted;
 * all choices are one admission group (``router/admission.py``), so a response of many choices
   shares the slots fairly with other requests instead of taking each free one in turn.
+
+Both front ends (``http_server.py``, ``grpc_server.py``) build a response of whole choices the
+same way: ``for_ranking`` asks each token's logprob when ``best_of`` candidates are to be ranked,
+``collect`` gathers every choice's chunks and end, and ``by_likelihood`` orders candidates.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, replace
 
 from pdserve.router.backend import Finished
@@ -101,3 +105,36 @@ async def run_choices(serving: Serving, choices: list[ChoiceRequest], *, api: st
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def for_ranking(prepared: PreparedRequest) -> PreparedRequest:
+    """``prepared`` asking each token's logprob (the ranking of ``best_of`` candidates sums them)."""
+    if prepared.params.logprobs is not None:
+        return prepared
+    return replace(prepared, params=replace(prepared.params, logprobs=0))
+
+
+async def collect(events: AsyncGenerator[tuple[int, Chunk | Finished], None], indexes: Iterable[int]
+                  ) -> tuple[dict[int, list[Chunk]], dict[int, Finished]]:
+    """Every chunk and the end of each choice (``indexes``) of ``run_choices``' ``events``, which
+    it closes; a choice that ended with an error raises it."""
+    chunks: dict[int, list[Chunk]] = {i: [] for i in indexes}
+    finals: dict[int, Finished] = {}
+    try:
+        async for index, ev in events:
+            if isinstance(ev, Finished):
+                if ev.error is not None:
+                    raise ev.error
+                finals[index] = ev
+            else:
+                chunks[index].append(ev)
+    finally:
+        await events.aclose()
+    return chunks, finals
+
+
+def by_likelihood(indexes: Iterable[int], chunks: dict[int, list[Chunk]]) -> list[int]:
+    """``indexes`` from the most likely choice to the least (highest sum of its tokens' logprobs;
+    ties keep their order)."""
+    return sorted(indexes, key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in
+                                              zip(ch.token_ids, ch.logprobs or [])))

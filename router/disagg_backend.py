@@ -25,10 +25,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pdserve.engine.contract import PrefillResult, RequestPhase
 from pdserve.engine.block_manager import chain_hashes, salt_root
+from pdserve.engine.sampling_params import continuation
 from pdserve.engine.sequence import Priority
 from pdserve.engine.errors import (
     DeadlineExceededError,
@@ -171,14 +172,10 @@ class DisaggBackend:
                 acc.migrations += 1
             for attempt_no in range(1, self.max_attempts + 1):
                 acc.attempts = attempt_no
-                prompt = req.prompt_token_ids + emitted
-                # A later attempt continues the output: what is left of the budgets, and the tokens
-                # the client already got (penalties, seeded draws and the grammar go on after them).
-                params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted),
-                                 min_tokens=max(0, req.params.min_tokens - len(emitted)),
-                                 prior_output=req.params.prior_output + tuple(emitted),
-                                 # the client has the prompt's logprobs once the first token came back
-                                 prompt_logprobs=req.params.prompt_logprobs if not emitted else None)
+                # A later attempt continues the output after the tokens the client already got
+                # (and with them the prompt's logprobs, if any).
+                prompt, params = continuation(req.prompt_token_ids, req.params, emitted,
+                                              prompt_logprobs_sent=bool(emitted))
                 attempt = f"{req.request_id}#{attempt_no}"
                 try:
                     decision = await self._route(prompt, excluded, req.deadline, prefer, params.cache_salt)

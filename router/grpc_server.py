@@ -28,7 +28,7 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import errors
 from pdserve.router.auth import ApiKeyAuth
 from pdserve.router.backend import Finished
-from pdserve.router.choices import ChoiceRequest, fork, run_choices
+from pdserve.router.choices import ChoiceRequest, by_likelihood, collect, for_ranking, fork, run_choices
 from pdserve.router.serving import Chunk, PreparedRequest, Serving
 from pdserve.router.validation import (DEFAULT_MAX_CHOICES, ParsedRequest, check_request_id, max_prompt_chars,
                                        parse_generate_fields)
@@ -223,32 +223,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         candidates run to the end and the ``n`` most likely are sent whole, each with its final."""
         ranked = best_of > n
         asked = prepared.params.logprobs is not None
-        if ranked and not asked:  # the ranking needs each token's logprob
-            prepared = replace(prepared, params=replace(prepared.params, logprobs=0))
+        if ranked:
+            prepared = for_ranking(prepared)
         choices = [ChoiceRequest(j, 0, fork(prepared, j, j)) for j in range(best_of)]
         events = run_choices(self._serving, choices, api="grpc", scope=scope, deadline=deadline)
-        try:
-            if not ranked:
+        if not ranked:
+            try:
                 opened: set[int] = set()
                 async for index, ev in events:
                     if echo and index not in opened:
                         opened.add(index)
                         yield pb.GenerateResponse(request_id=rid, text=echo, index=index)
                     yield self._message(rid, ev, index)
-                return
-            chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
-            finals: dict[int, Finished] = {}
-            async for index, ev in events:
-                if isinstance(ev, Finished):
-                    if ev.error is not None:
-                        raise ev.error
-                    finals[index] = ev
-                else:
-                    chunks[index].append(ev)
-        finally:
-            await events.aclose()
-        best = sorted(chunks, key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in
-                                                 zip(ch.token_ids, ch.logprobs or [])))[:n]
+            finally:
+                await events.aclose()
+            return
+        chunks, finals = await collect(events, (c.index for c in choices))
+        best = by_likelihood([c.index for c in choices], chunks)[:n]
         for rank, i in enumerate(best):
             whole = Chunk([t for ch in chunks[i] for t in ch.token_ids], echo + "".join(ch.text for ch in chunks[i]),
                           [lp for ch in chunks[i] for lp in (ch.logprobs or [])] if asked else None)

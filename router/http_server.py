@@ -37,7 +37,7 @@ from pdserve.router.serving import Chunk, Serving
 from pdserve.router import batch_api, batch_input
 from pdserve.router.batch_api import BatchStore
 from pdserve.router.beam_search import beam_search
-from pdserve.router.choices import ChoiceRequest, fork, run_choices
+from pdserve.router.choices import ChoiceRequest, by_likelihood, collect, for_ranking, fork, run_choices
 from pdserve.router.validation import (ParsedRequest, check_model, check_request_id, parse_chat_body,
                                        parse_completion_bodies, parse_detokenize_body, parse_tokenize_body)
 
@@ -314,8 +314,8 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
     ranked = best_of > n
     choices = []
     for g, prep in enumerate(prepared):
-        if ranked and prep.params.logprobs is None:  # the ranking needs each token's logprob
-            prep = dataclasses.replace(prep, params=dataclasses.replace(prep.params, logprobs=0))
+        if ranked:
+            prep = for_ranking(prep)
         choices += [ChoiceRequest(g * best_of + j, g, fork(prep, j, g * best_of + j)) for j in range(best_of)]
     echo = [_echo_text(p, pp.prompt_token_ids, serving.tokenizer) for p, pp in zip(parsed, prepared)]
     scope = request[_OWNER]  # ids are scoped per tenant; without keys every client shares one scope
@@ -333,18 +333,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
                                return_token_ids=parsed[group].return_token_ids)
 
     if not parsed[0].stream:
-        chunks: dict[int, list[Chunk]] = {c.index: [] for c in choices}
-        finals: dict[int, Finished] = {}
-        try:
-            async for index, ev in events:
-                if isinstance(ev, Finished):
-                    if ev.error is not None:
-                        raise ev.error
-                    finals[index] = ev
-                else:
-                    chunks[index].append(ev)
-        finally:
-            await events.aclose()
+        chunks, finals = await collect(events, (c.index for c in choices))
         out_choices, extras = [], []
         chat_prompt_lp = None
         for g in range(len(prepared)):
@@ -355,7 +344,7 @@ async def _generate_many(request: web.Request, parsed: list[ParsedRequest], *, c
                 for i in cands[1:]:
                     chunks[i].insert(0, Chunk([], "", None, scored))
             if ranked:
-                cands.sort(key=lambda i: -sum(lp[t] for ch in chunks[i] for t, lp in zip(ch.token_ids, ch.logprobs or [])))
+                cands = by_likelihood(cands, chunks)
             for rank, i in enumerate(cands[:n]):
                 body = builder(g * n + rank, g, full=True).full(chunks[i], finals[i])
                 out_choices.append(body["choices"][0])
