@@ -1,8 +1,8 @@
 """A request's output text: incremental, UTF-8 safe, with stop strings. The one implementation:
 the router builds each stream's text with it, and the engine's ``StopChecker`` its stop strings.
 
-Token ids become text through the engine's ``IncrementalDetokenizer`` (it decodes a short
-window and waits while the window ends in half a UTF-8 character). On top of it this class:
+Token ids become text through the engine's ``IncrementalDetokenizer`` (``tokenizers``'
+``DecodeStream``, which waits while the text ends in half a UTF-8 character). On top of it this class:
 
 * finds stop strings in the text, including one that spans several tokens;
 * truncates the text where the first stop string begins (the stop string is not shown), or

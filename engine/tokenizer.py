@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers.decoders import DecodeStream
+
 from pdserve.engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
+_CONTEXT = 6  # prompt tokens decoded before the first output token (a leading space, a split character)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -34,8 +37,15 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting a UTF-8 character.
 
-    It decodes a short window of recent tokens and emits only text that is complete: when the
-    window's text ends in U+FFFD (half of a multi-byte character), it waits for the next token.
+    A fast tokenizer streams through ``tokenizers``' ``DecodeStream``, which holds tokens back
+    while they end in half a multi-byte character. ``spaces_between_special_tokens`` (which
+    ``DecodeStream`` does not do) and a slow tokenizer decode a short window of recent tokens
+    twice per token instead and emit only complete text: when the window's text ends in U+FFFD
+    they wait for the next token. Both give the same deltas (SmolLM2's and the test models'
+    tokenizers, text and random ids, special tokens skipped or kept); ``DecodeStream`` took
+    1.4-2.7 us a token against 8.6-22.5 us for the window (2026-12, 2-core host, loaded).
+    Either way ``flush`` ends the stream with what is still held (an incomplete character
+    becomes U+FFFD; ``DecodeStream`` alone would drop it).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int] | None = None,
@@ -47,11 +57,14 @@ class IncrementalDetokenizer:
         self._added: frozenset[int] = (frozenset(tokenizer.get_added_vocab().values())
                                        if spaces_between_special_tokens else frozenset())
         self._special: frozenset[int] = frozenset(tokenizer.all_special_ids) if self._added else frozenset()
-        self._ids: list[int] = list(prompt_token_ids[-6:]) if prompt_token_ids else []
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT:]) if prompt_token_ids else []
         # _prefix: where the window starts; _read: tokens before it are already emitted.
         self._prefix = 0
         self._read = len(self._ids)
         self.text = ""
+        self._backend = None if self._added else getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = (None if self._backend is None else
+                        DecodeStream(ids=list(self._ids) or None, skip_special_tokens=skip_special_tokens))
 
     def _decode(self, ids: list[int]) -> str:
         if not self._added or not any(t in self._added for t in ids):
@@ -74,6 +87,15 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         """Add new tokens; return the text they complete (may be empty)."""
         self._ids.extend(token_ids)
+        if self._stream is not None:
+            delta = ""
+            for i, t in enumerate(token_ids, len(self._ids) - len(token_ids)):
+                chunk = self._stream.step(self._backend, t)
+                if chunk is not None:
+                    delta += chunk
+                    self._prefix, self._read = max(0, i + 1 - _CONTEXT), i + 1
+            self.text += delta
+            return delta
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):

@@ -75,3 +75,28 @@ def test_special_tokens_are_skipped_unless_asked_for(tokenizer) -> None:
     ids = ids_of(tokenizer, " hi") + [special] + ids_of(tokenizer, " there")
     assert "".join(stream(OutputText(tokenizer, []), ids)) == " hi there"
     assert "".join(stream(OutputText(tokenizer, [], skip_special_tokens=False), ids)) == " hi<|im_start|> there"
+
+
+def test_decode_stream_gives_the_window_decoders_deltas(tokenizer) -> None:
+    """``DecodeStream`` (fast tokenizers) and the window decoder (spaces_between_special_tokens,
+    slow tokenizers) agree delta for delta, on ids that split characters and hold specials."""
+    import random
+
+    from pdserve.engine.tokenizer import IncrementalDetokenizer
+
+    rng = random.Random(0)
+    cases = [ids_of(tokenizer, " naïve café — 世界 🎉 done")]
+    cases += [[rng.randrange(8) if rng.random() < 0.2 else rng.randrange(len(tokenizer)) for _ in range(120)]
+              for _ in range(10)]
+    for ids in cases:
+        for skip in (True, False):
+            streamed = IncrementalDetokenizer(tokenizer, ids_of(tokenizer, "Say:"), skip)
+            window = IncrementalDetokenizer(tokenizer, ids_of(tokenizer, "Say:"), skip)
+            assert streamed._stream is not None
+            window._stream = None
+            assert ([streamed.push([t]) for t in ids] + [streamed.flush()]
+                    == [window.push([t]) for t in ids] + [window.flush()])
+    held = IncrementalDetokenizer(tokenizer, [])
+    first_byte = ids_of(tokenizer, "世")[:1]   # half of a character: held, then flushed as U+FFFD
+    assert len(ids_of(tokenizer, "世")) > 1
+    assert held.push(first_byte) == "" and held.flush() == "\ufffd"
