@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo,
                       field_validator, model_validator)
 
 from pdserve.capacity.planner import PlannerPolicy
+from pdserve.capacity.profile import Profile, ProfileError
 from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, SchedulingPolicy,
                                    StructuredLimits)
 from pdserve.engine.errors import InvalidRequestError
@@ -623,8 +624,6 @@ class ClusterConfig(_Settings):
         if self.redis.tls_ca_file is not None and not self.redis.tls_ca_file.is_file():
             problems.append(f"redis.tls_ca_file: {self.redis.tls_ca_file} is not a file")
         if self.planner.profile is not None:
-            from pdserve.capacity.profile import Profile, ProfileError
-
             try:
                 Profile.load(self.planner.profile)
             except ProfileError as exc:

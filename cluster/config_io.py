@@ -6,6 +6,7 @@ dump. The models themselves are in ``cluster/config.py``.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from collections.abc import Hashable, Mapping
@@ -15,9 +16,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds
 from pdserve.cluster.config import ClusterConfig, ConfigError
 from pdserve.cluster.redact import redact_url
+from pdserve.engine.errors import InvalidRequestError
 
 ENV_API_KEYS = "PDSERVE_API_KEYS"
 ENV_REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
@@ -199,26 +200,37 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
-def load_planner_setup(path: str | Path, *, worker_start_s: float) -> tuple[PlannerSetup, str]:
-    """The simulated planner's settings, pool bounds and mode from a cluster config file:
-    (setup, mode) for ``pdserve simulate --planner``."""
-    config = load_config(path, check_paths=False)
-    mode = {"always": "disaggregated", "conditional": "conditional",
-            "never": "colocated"}[config.router.disaggregation.mode]
-    bounds = {}
-    for name in ("prefill", "decode"):
-        pool = getattr(config, name)
-        if pool.max_replicas is None:
-            raise ValueError(f"{path}: set {name}.max_replicas to simulate the planner (the default, "
-                             f"'as many as Ray has room for', depends on a real cluster)")
-        if mode == "colocated" and name == "prefill":
-            bounds[name] = PoolBounds(0, 0, 0)
-        else:
-            bounds[name] = PoolBounds(pool.min_replicas, pool.initial_replicas, pool.max_replicas)
-    p = config.planner
-    if not p.enabled:
-        raise ValueError(f"{path}: planner.enabled is false; nothing to simulate")
-    setup = PlannerSetup(config.planner_policy(), bounds["prefill"], bounds["decode"], interval_s=p.interval_s,
-                         worker_start_s=worker_start_s, use_model=p.profile is not None,
-                         window_s=p.traffic_window_s)
-    return setup, mode
+def load_cli_config(config_path: str | None, model: str | None, overrides: list[str], *,
+                    offline: bool = False) -> ClusterConfig:
+    """The config the CLI runs: file or model, ``--set`` overrides, the environment's secrets;
+    ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS.
+    ``offline``: a config file meant for another machine (the model directory and TLS files are
+    not looked for here, nor the API keys, which that machine's environment gives: ``exposure_note``
+    says what it will need; the schema and the cross-field checks still run)."""
+    if bool(config_path) == bool(model):
+        raise InvalidRequestError("give exactly one of -c/--config FILE or --model DIR")
+    if offline and not config_path:
+        raise InvalidRequestError("--offline checks a config file (-c FILE) written for another machine; "
+                                  "--model names a model here")
+    if config_path:
+        config = load_config(config_path, check_paths=not offline)
+    else:
+        from pdserve.engine.known_models import resolve_model   # imports torch: only for --model
+
+        model_dir, served_name = resolve_model(model)
+        config = config_from_model(model_dir)
+        if served_name:  # a .gguf file or a known name: clients use that name, not the cache's
+            config = apply_overrides(config, {"model.served_name": served_name}, source="--model")
+    parsed = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequestError(f"--set takes KEY=VALUE (e.g. router.http_port=8001), got {item!r}")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    if parsed:
+        config = apply_overrides(config, parsed, source="command line")
+    config = apply_env(config)
+    return config if offline else check_exposure(config)

@@ -72,7 +72,6 @@ def _simulate(args: argparse.Namespace) -> int:
 def _planner(args: argparse.Namespace, profile):
     """The simulated planner from ``--planner CONFIG``: (SimPlanner, mode)."""
     from pdserve.capacity.sim_planner import SimPlanner
-    from pdserve.cluster.config_io import load_planner_setup
     from pdserve.engine.errors import InvalidRequestError
 
     given = [f for f, v in (("--prefill", args.prefill), ("--decode", args.decode), ("--mode", args.mode))
@@ -84,6 +83,34 @@ def _planner(args: argparse.Namespace, profile):
     setup, mode = load_planner_setup(args.planner, worker_start_s=start)   # ConfigError: a 4xx already
     max_seqs = int(profile.engine["max_num_seqs"])
     return SimPlanner(setup, profile, mode, max_seqs), mode
+
+
+def load_planner_setup(path: str | Path, *, worker_start_s: float) -> tuple[PlannerSetup, str]:
+    """The simulated planner's settings, pool bounds and mode from a cluster config file:
+    (setup, mode) for ``pdserve simulate --planner``."""
+    from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds
+    from pdserve.cluster.config_io import load_config
+
+    config = load_config(path, check_paths=False)
+    mode = {"always": "disaggregated", "conditional": "conditional",
+            "never": "colocated"}[config.router.disaggregation.mode]
+    bounds = {}
+    for name in ("prefill", "decode"):
+        pool = getattr(config, name)
+        if pool.max_replicas is None:
+            raise ValueError(f"{path}: set {name}.max_replicas to simulate the planner (the default, "
+                             f"'as many as Ray has room for', depends on a real cluster)")
+        if mode == "colocated" and name == "prefill":
+            bounds[name] = PoolBounds(0, 0, 0)
+        else:
+            bounds[name] = PoolBounds(pool.min_replicas, pool.initial_replicas, pool.max_replicas)
+    p = config.planner
+    if not p.enabled:
+        raise ValueError(f"{path}: planner.enabled is false; nothing to simulate")
+    setup = PlannerSetup(config.planner_policy(), bounds["prefill"], bounds["decode"], interval_s=p.interval_s,
+                         worker_start_s=worker_start_s, use_model=p.profile is not None,
+                         window_s=p.traffic_window_s)
+    return setup, mode
 
 
 def format_sim(out: dict) -> str:

@@ -19,6 +19,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from pdserve.cluster.head import launcher
+
 FINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -29,7 +31,6 @@ class BatchCliError(Exception):
 def _base(args: argparse.Namespace) -> str:
     if args.url:
         return args.url.rstrip("/")
-    from pdserve.cluster.head import launcher
 
     st = launcher.read_state()
     if not st or not st.get("http"):

@@ -4,50 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
+from pdserve.cluster.cli.demo import run_demo
+from pdserve.cluster.cli.model_fetch import prepare_model
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config_io import config_to_yaml, json_schema, load_cli_config
+from pdserve.cluster.head import launcher
+from pdserve.cluster.head.router_process import join_settings, run_router
+from pdserve.cluster.state.request_log import RequestLog
 from pdserve.engine.contract import RequestPhase, RequestRecord
-
-
-def load_cli_config(config_path: str | None, model: str | None, overrides: list[str], *,
-                    offline: bool = False) -> ClusterConfig:
-    """The config the CLI runs: file or model, ``--set`` overrides, the environment's secrets;
-    ``ConfigError`` also when it would serve beyond loopback with no API key and no TLS.
-    ``offline``: a config file meant for another machine (the model directory and TLS files are
-    not looked for here, nor the API keys, which that machine's environment gives: ``exposure_note``
-    says what it will need; the schema and the cross-field checks still run)."""
-    from pdserve.cluster.config_io import (apply_env, apply_overrides, check_exposure, config_from_model,
-                                           load_config)
-    from pdserve.engine.errors import InvalidRequestError
-
-    if bool(config_path) == bool(model):
-        raise InvalidRequestError("give exactly one of -c/--config FILE or --model DIR")
-    if offline and not config_path:
-        raise InvalidRequestError("--offline checks a config file (-c FILE) written for another machine; "
-                                  "--model names a model here")
-    if config_path:
-        config = load_config(config_path, check_paths=not offline)
-    else:
-        from pdserve.engine.known_models import resolve_model
-
-        model_dir, served_name = resolve_model(model)
-        config = config_from_model(model_dir)
-        if served_name:  # a .gguf file or a known name: clients use that name, not the cache's
-            config = apply_overrides(config, {"model.served_name": served_name}, source="--model")
-    parsed = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InvalidRequestError(f"--set takes KEY=VALUE (e.g. router.http_port=8001), got {item!r}")
-        try:
-            parsed[key] = json.loads(value)
-        except json.JSONDecodeError:
-            parsed[key] = value
-    if parsed:
-        config = apply_overrides(config, parsed, source="command line")
-    config = apply_env(config)
-    return config if offline else check_exposure(config)
 
 
 def exposure_note(config: ClusterConfig) -> str | None:
@@ -70,18 +37,12 @@ def _add_config_source(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.cluster.head import launcher
-
     overrides = list(args.set) + ([f"ray.address={args.address}"] if args.address else [])
     load_cli_config(args.config, args.model, overrides)  # fail fast on a bad config, before forking
     return launcher.up(args.config, args.model, overrides, args.foreground, args.timeout)
 
 
 def _head(args: argparse.Namespace) -> int:
-    import logging
-
-    from pdserve.cluster.head import launcher
-
     logging.getLogger().setLevel(logging.INFO)
     overrides = list(args.set)
     if args.overrides_file:  # from `up`: --set values may hold secrets, so they never travel in argv
@@ -90,22 +51,16 @@ def _head(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from pdserve.cluster.head.router_process import join_settings, run_router
-
     config = load_cli_config(args.config, args.model, list(args.set))
     join_settings(config)  # refuse at once: no elected control plane, or nothing to join
     return run_router(config)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from pdserve.cluster.head import launcher
-
     return launcher.down(args.timeout)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from pdserve.cluster.head import launcher
-
     status = launcher.fetch_status()
     if status is None:
         print("pdserve is not up")
@@ -128,8 +83,6 @@ STATUS_EXIT = {"starting": 1, "dead": 3}
 
 
 def _config(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config_io import config_to_yaml, json_schema
-
     if args.action == "schema":
         print(json.dumps(json_schema(), indent=2))
     else:
@@ -143,17 +96,12 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
-    from pdserve.cluster.cli.model_fetch import prepare_model
-
     # the model directory may not exist yet: that is what this command is for
     print(prepare_model(load_cli_config(args.config, None, args.set, offline=True)), flush=True)
     return 0
 
 
 def _requests(args: argparse.Namespace) -> int:
-    from pdserve.cluster.head import launcher
-    from pdserve.cluster.state.request_log import RequestLog
-
     client = launcher.state_redis_client(args.redis_url)  # the password from the 0600 state file
     if client is None:
         print("pdserve is not up; pass --redis-url", file=sys.stderr)
@@ -181,8 +129,6 @@ def _format_request(entry: dict) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pdserve.cluster.cli.demo import run_demo
-
     return run_demo(args)
 
 

@@ -23,6 +23,10 @@ import json
 import sys
 import time
 
+from pdserve.cluster.cli.records import format_phase_record
+from pdserve.cluster.config_io import apply_overrides, config_from_model
+from pdserve.cluster.head.launcher import serve
+
 SYSTEM = (
     "You are a helpful assistant for a bicycle shop. The shop is open from 9 am to 6 pm, Monday to "
     "Saturday, and closed on Sunday. It sells city bikes, mountain bikes and electric bikes, and repairs "
@@ -74,8 +78,6 @@ async def _stream(base_url: str, path: str, body: dict) -> dict:
 
 
 def _show_record(result: dict) -> None:
-    from pdserve.generate_cmd import format_phase_record
-
     _say("\n")
     _say(format_phase_record(result["phase"]))
     _say(f"workers: prefill {result['phase'].get('prefill_worker')}  decode {result['phase'].get('decode_worker')}\n")
@@ -110,9 +112,6 @@ async def _plain_session(base_url: str, model: str, max_tokens: int) -> None:
 
 
 async def _demo(model_dir: str, served_name: str | None, max_tokens: int, chat: bool) -> None:
-    from pdserve.cluster.config_io import apply_overrides, config_from_model
-    from pdserve.cluster.head.launcher import serve
-
     overrides = {
         "router.http_port": 0, "router.grpc_port": 0, "planner.enabled": False,
         "prefill.engine.num_threads": 1, "decode.engine.num_threads": 1,

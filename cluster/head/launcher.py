@@ -39,11 +39,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config_io import load_cli_config
+from pdserve.cluster.head.router_actor import start_router_actors, stop_router_actors
 from pdserve.cluster.head.head_processes import (HEAD_ID_ENV, HeadIdentity, Proc, describe, leftovers, new_head_id,
                                             stop_leftovers)
 from pdserve.cluster.pids import boot_id, start_ticks
 from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback, use_routable, use_token_auth_if_available
 from pdserve.cluster.redact import split_password
+from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
+from pdserve.cluster.state.redis_supervisor import RedisSupervisor
 from pdserve.engine.contract import ClusterStatus
 from pdserve.engine.gc_freeze import freeze_startup_heap
 
@@ -53,7 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATUS_KEY = "pdserve:status"
-DRAIN_TIMEOUT_S = 30.0
 
 
 def state_dir() -> Path:
@@ -151,9 +154,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
         _write_private(head_file(), json.dumps(identity.as_state(), indent=2))
     import ray
 
-    from pdserve.cluster.state.redis_server import EmbeddedRedis
-    from pdserve.cluster.state.redis_supervisor import RedisSupervisor
-    from pdserve.cluster.head.router_service import RouterService
+    from pdserve.cluster.head.router_service import RouterService   # Ray, gRPC, the router: 2 s, not for `status`
 
     started_ray = False
     if not ray.is_initialized():
@@ -199,8 +200,6 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
     try:
         endpoints = await service.start()
         if config.router.replicas > 1:
-            from pdserve.cluster.head.router_actor import start_router_actors
-
             started = await asyncio.to_thread(start_router_actors, config, redis_url, password,
                                               detached=not started_ray)
             router_actors = [actor for actor, _ in started]
@@ -232,11 +231,9 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             except asyncio.TimeoutError:
                 pass
         logger.info("stopping: draining in-flight requests")
-        await _drain(service)
+        await service.drain()
     finally:
         if router_actors:
-            from pdserve.cluster.head.router_actor import stop_router_actors
-
             await asyncio.to_thread(stop_router_actors, router_actors)
         try:
             if service.redis_client is not None and (service.redis_guard is None or service.redis_guard.up):
@@ -278,8 +275,6 @@ def _write_redis_password(password: str | None) -> None:
 
 def state_redis_client(url: str | None = None) -> redis.Redis | None:
     """A Redis client for CLI commands, from the state file (URL, CA) and the password file."""
-    from pdserve.cluster.state.redis_server import connect
-
     st = read_state() or {}
     url = url or st.get("redis_url")
     if not url:
@@ -289,15 +284,6 @@ def state_redis_client(url: str | None = None) -> redis.Redis | None:
     except FileNotFoundError:
         password = None
     return connect(url, retries=2, password=password, ssl_ca_file=st.get("redis_tls_ca_file"))
-
-
-async def _drain(service) -> None:
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    for s in service._servers:
-        await s.stop()
-    service._servers = []
-    while time.monotonic() < deadline and service.backend is not None and service.backend._active:
-        await asyncio.sleep(0.1)
 
 
 RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
@@ -392,8 +378,6 @@ def up(config_path: str | None, model: str | None, overrides: list[str], foregro
             return 1
         _remove_state()  # a dead head that left nothing running
     if foreground:
-        from pdserve.cluster.cli.commands import load_cli_config
-
         return run_head(load_cli_config(config_path, model, overrides))
     args = [sys.executable, "-m", "pdserve.cli", "_head"]
     if config_path:

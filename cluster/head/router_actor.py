@@ -18,6 +18,7 @@ import os
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.config_io import apply_overrides
+from pdserve.engine.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ class RouterActor:
         self.service = None
 
     async def start(self) -> dict:
-        from pdserve.cluster.head.router_service import RouterService
-        from pdserve.engine.gc_freeze import freeze_startup_heap
+        from pdserve.cluster.head.router_service import RouterService   # Ray, gRPC, the router: 2 s, not for `status`
 
         logging.getLogger("pdserve").setLevel(logging.INFO)
         self.service = RouterService(self.config, redis_url=self.redis_url, namespace=self.namespace,
@@ -53,11 +53,9 @@ class RouterActor:
 
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop taking requests, let this router's streams finish (bounded), leave the cluster."""
-        from pdserve.cluster.head.launcher import _drain
-
         if self.service is None:
             return
-        await asyncio.wait_for(_drain(self.service), drain_s + 5.0)
+        await asyncio.wait_for(self.service.drain(drain_s), drain_s + 5.0)
         await self.service.stop(stop_workers=False)
 
 

@@ -16,7 +16,10 @@ import signal
 import sys
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.head import launcher
 from pdserve.cluster.redact import split_password
+from pdserve.cluster.runtime.ray_env import use_loopback, use_routable, use_token_auth_if_available
+from pdserve.engine.gc_freeze import freeze_startup_heap
 from pdserve.engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -25,8 +28,6 @@ logger = logging.getLogger(__name__)
 def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
     """(Ray address, Redis URL, Redis password) this router joins: the config's, else the local
     head's. ``InvalidRequestError`` when the control plane is not elected or nothing is there to join."""
-    from pdserve.cluster.head import launcher
-
     if not config.control_plane.election:
         raise InvalidRequestError("pdserve router joins a cluster whose control plane is elected: set "
                                   "control_plane.election: true (here and in the head's config)")
@@ -47,10 +48,7 @@ def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
 
 
 async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None) -> None:
-    from pdserve.cluster.head import launcher
-    from pdserve.cluster.runtime.ray_env import use_loopback, use_routable, use_token_auth_if_available
-    from pdserve.cluster.head.router_service import RouterService
-    from pdserve.engine.gc_freeze import freeze_startup_heap
+    from pdserve.cluster.head.router_service import RouterService   # Ray, gRPC, the router: 2 s, not for `status`
 
     ray_address, redis_url, password = join_settings(config)
     if ray_address.startswith(("127.", "localhost")):
@@ -82,15 +80,13 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
             except asyncio.TimeoutError:
                 pass
         logger.info("stopping: draining this router's streams")
-        await launcher._drain(service)
+        await service.drain()
     finally:
         await service.stop(stop_workers=False)
         ray.shutdown()
 
 
 def run_router(config: ClusterConfig) -> int:
-    from pdserve.cluster.head import launcher
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with asyncio.Runner(loop_factory=launcher.event_loop_factory()) as runner:

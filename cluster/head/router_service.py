@@ -25,6 +25,7 @@ from pdserve.cluster.control.leader import LeaderLease
 from pdserve.cluster.control.ledger_writer import LedgerWriter
 from pdserve.cluster.control.pool_manager import PoolManager
 from pdserve.cluster.control.reaper import LeaseReaper
+from pdserve.cluster.runtime.metrics import PlannerMetrics, RayRouterMetrics, RedisMetrics
 from pdserve.cluster.state.redis_guard import RedisGuard, RedisUnavailableError
 from pdserve.cluster.state.redis_server import connect
 from pdserve.cluster.state.batch_store import RedisBatchStore
@@ -44,6 +45,8 @@ from pdserve.router.validation import DEFAULT_MAX_CHOICES
 from pdserve.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0   # how long a stopping router lets its requests in flight finish
 
 
 class _RequestLogWriter:
@@ -117,8 +120,6 @@ class RouterService:
             self.redis_client = connect(redis_url, socket_timeout_s=REDIS_SOCKET_TIMEOUT_S,
                                         retries=REDIS_RETRIES, password=redis_password,
                                         ssl_ca_file=str(ca) if ca is not None else None)
-            from pdserve.cluster.runtime.metrics import RedisMetrics
-
             self.redis_metrics = RedisMetrics()
             self.redis_guard = RedisGuard(self.redis_client, on_drop=self.redis_metrics.dropped,
                                           on_state=self.redis_metrics.set_up)
@@ -183,8 +184,6 @@ class RouterService:
         admission = Admission(AdmissionConfig(max_in_flight=capacity, max_queued=cfg.router.max_queued_requests))
         # one request's share of the slots: the setting, or by default 16 (less when capacity is less)
         max_choices = min(cfg.router.max_choices_per_request or DEFAULT_MAX_CHOICES, capacity)
-        from pdserve.cluster.runtime.metrics import PlannerMetrics, RayRouterMetrics
-
         self.metrics = RayRouterMetrics(info.name)
         self.planner_metrics = PlannerMetrics()
         observers = [self.metrics, self.manager.traffic] + ([_RequestLogWriter(self.request_log, self.redis_guard)]
@@ -234,6 +233,16 @@ class RouterService:
         max_replicas unset, its largest is what it started with plus what Ray has room for now."""
         d = self.config.decode
         return max(self.manager.replica_limit("decode"), d.min_replicas, 1) * d.engine.max_num_seqs
+
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Stop taking requests (the HTTP and gRPC servers close) and wait, at most ``timeout_s``,
+        for the requests in flight to finish; ``stop`` follows."""
+        deadline = time.monotonic() + timeout_s
+        for s in self._servers:
+            await s.stop()
+        self._servers = []
+        while time.monotonic() < deadline and self.backend is not None and self.backend._active:
+            await asyncio.sleep(0.1)
 
     async def stop(self, stop_workers: bool | None = None) -> None:
         """Stop serving. ``stop_workers`` (default: unless the control plane is elected, where

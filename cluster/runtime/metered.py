@@ -13,6 +13,7 @@ from pdserve.engine.contract import WorkerStats
 from pdserve.engine.contract import RequestPhase
 from pdserve.kv_transfer.engine_layout import model_identity
 from pdserve.worker.base import WorkerObserver
+from pdserve.cluster.runtime.metrics import EngineMetrics
 from pdserve.prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -24,8 +25,6 @@ class _Publisher:
     """Pushes the engine's stats into the metrics every second, on its own thread."""
 
     def __init__(self, worker, role: str) -> None:
-        from pdserve.cluster.runtime.metrics import EngineMetrics
-
         model = worker.engine.config.model_dir.rstrip("/").rsplit("/", 1)[-1] or model_identity(
             worker.engine.config.model_dir)
         self.metrics = EngineMetrics(role, worker.worker_id, model)

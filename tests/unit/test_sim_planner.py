@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdserve.capacity.sim_planner import PlannerSetup, PoolBounds, SimPlanner
-from pdserve.cluster.config_io import load_planner_setup
+from pdserve.capacity_cmd import load_planner_setup
 from pdserve.capacity.simulate import ClusterShape, simulate
 from pdserve.capacity.planner import PlannerPolicy
 from tests.unit.test_capacity import profile
