@@ -33,7 +33,8 @@ import subprocess
 import sys
 import time
 
-from pdserve.engine.errors import GrammarError
+from pdserve.engine.errors import GrammarError, InvalidRequestError
+from pdserve.engine.grammar_spec import StructuredOutput, build_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,6 @@ def main() -> None:
         return
     import xgrammar
 
-    from pdserve.engine.structured import StructuredOutput, _grammar
-    from pdserve.engine.errors import InvalidRequestError
 
     info = xgrammar.TokenizerInfo.deserialize_json(info_json.decode())
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -186,7 +185,7 @@ def main() -> None:
     while (frame := _read_frame(0, None)) is not None:
         job = json.loads(frame)
         try:
-            compiler.compile_grammar(_grammar(StructuredOutput(job["kind"], job["spec"])))
+            compiler.compile_grammar(build_grammar(StructuredOutput(job["kind"], job["spec"])))
             reply = b"O"
         except InvalidRequestError as exc:
             reply = b"E" + str(exc).encode()

@@ -7,6 +7,7 @@ GBNF and vLLM's ``guided_grammar``) or ``structural_tag`` (free text in which ea
 a tagged JSON value: tool calls with ``tool_choice`` auto, ``router/tools.py``). The grammar engine is xgrammar (chosen by measured
 per-token cost, ``bench/grammar_libs.py`` and ``docs/benchmarks.md``).
 
+* ``StructuredOutput`` and its tokenizer-free grammar are in ``engine/grammar_spec.py``.
 * ``check_limits`` bounds a spec before anything parses it: its size (``MAX_SPEC_CHARS``) and its
   nesting (``StructuredLimits.max_depth``, read by a scanner, not a parser: a schema nested 900 deep
   took xgrammar 35 s to parse).
@@ -42,96 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
 from pdserve.engine.errors import GrammarError, InvalidRequestError
+from pdserve.engine.grammar_process import COMPILE_NICENESS, GrammarProcess
+from pdserve.engine.grammar_spec import MAX_SPEC_CHARS, StructuredOutput, build_grammar, reason, xgrammar_module
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
-MAX_SPEC_CHARS = 64 * 1024   # a schema, regex or grammar larger than this is refused
-MAX_CHOICES = 256
 CACHE_ENTRIES = 256   # compiled grammars (and refusals) an engine keeps, least recently used dropped
-
-
-def _xgr():
-    try:
-        import xgrammar
-    except ImportError as exc:  # pragma: no cover - make setup installs it
-        raise InvalidRequestError(
-            "structured outputs need the xgrammar package, which this installation lacks; "
-            "run `make setup` (or `pip install --no-deps xgrammar apache-tvm-ffi`)") from exc
-    return xgrammar
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredOutput:
-    """What a request's output must match. ``spec``: the JSON schema's text (``json_schema``),
-    the regex, the EBNF grammar, a JSON list of strings (``choice``), the tags (``structural_tag``);
-    empty for ``json_object``."""
-
-    kind: str
-    spec: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidRequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
-        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
-            raise InvalidRequestError(f"a {self.kind} may be at most {MAX_SPEC_CHARS} characters")
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.kind, self.spec)
-
-
-def choice_spec(choices: object) -> str:
-    """``guided_choice``'s list, checked, as the spec text."""
-    if not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES \
-            or not all(isinstance(c, str) and c for c in choices):
-        raise InvalidRequestError(f"guided_choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
-    return json.dumps(choices)
-
-
-_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}-/")
-
-
-def _choice_regex(spec: str) -> str:
-    """An alternation matching exactly one of the choices (only regex syntax is escaped)."""
-    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c)
-                          for c in json.loads(spec)) + ")"
-
-
-def _reason(exc: Exception) -> str:
-    """xgrammar's message without its log prefix ("[08:20:04] /project/cpp/x.cc:94: ")."""
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
-
-
-def _grammar(s: StructuredOutput) -> Any:
-    """The tokenizer-free grammar; ``InvalidRequestError`` naming what is wrong with it."""
-    xgr = _xgr()
-    try:
-        if s.kind == "json_object":  # any JSON object (OpenAI's JSON mode), compact like a schema's
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if s.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
-        if s.kind == "regex":
-            return xgr.Grammar.from_regex(s.spec)
-        if s.kind == "choice":
-            return xgr.Grammar.from_regex(_choice_regex(s.spec))
-        if s.kind == "structural_tag":  # free text; after a trigger, a tagged JSON value (tool calls)
-            spec = json.loads(s.spec)
-            tags = [{"type": "tag", "begin": t["begin"], "end": t["end"],
-                     "content": {"type": "json_schema", "json_schema": t["schema"], "max_whitespace_cnt": 1}}
-                    for t in spec["tags"]]
-            return xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": {
-                "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
-        return xgr.Grammar.from_ebnf(s.spec)
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
-        raise InvalidRequestError(f"the {s.kind.replace('_', ' ')} could not be compiled: {_reason(exc)}") from None
 
 
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
@@ -192,7 +112,7 @@ def check(s: StructuredOutput, limits: StructuredLimits | None = None) -> None:
             json.loads(s.spec)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
-    _grammar(s)
+    build_grammar(s)
 
 
 class TagPosition:
@@ -296,7 +216,7 @@ class GrammarBook:
     def matcher(self, s: StructuredOutput, compiled: Future, prior: tuple[int, ...] = ()) -> RequestGrammar:
         """A fresh place in ``s`` (whose ``compiled`` future is done) that has consumed ``prior``
         (an earlier attempt's output); raises the compile's ``GrammarError``."""
-        xgr = _xgr()
+        xgr = xgrammar_module()
         tags = None
         grammar = compiled.result(timeout=0)
         if s.kind == "structural_tag":
@@ -347,9 +267,7 @@ class GrammarBook:
                 process.close()
 
     def _start(self) -> tuple[Any, Any]:
-        from pdserve.engine.grammar_process import GrammarProcess
-
-        xgr = _xgr()
+        xgr = xgrammar_module()
         info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                   stop_token_ids=self._eos or None)
         self._decoded_vocab = list(info.decoded_vocab)
@@ -361,13 +279,13 @@ class GrammarBook:
         self.compiles += 1
         try:
             process.compile(s.kind, s.spec)            # the budget, enforced: killed when it is up
-            grammar = compiler.compile_grammar(_grammar(s))   # proven to finish within it
+            grammar = compiler.compile_grammar(build_grammar(s))   # proven to finish within it
         except InvalidRequestError as exc:
             fut.set_exception(exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
         except Exception as exc:
             logger.exception("compiling a %s failed", s.kind)
             self._forget(s, fut)
-            fut.set_exception(RuntimeError(f"the {s.kind} could not be compiled here: {_reason(exc)}"))
+            fut.set_exception(RuntimeError(f"the {s.kind} could not be compiled here: {reason(exc)}"))
         else:
             fut.set_result(grammar)
 
@@ -382,8 +300,6 @@ def _lower_thread_priority() -> None:
     """Nice the calling thread (Linux schedules threads one by one), so that a compile takes the
     cores only when the engine's step loop leaves them."""
     try:
-        from pdserve.engine.grammar_process import COMPILE_NICENESS
-
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not permitted: compiles at normal priority
         pass
@@ -406,7 +322,7 @@ def _control_byte_tokens(decoded_vocab: list[bytes], vocab_size: int, keep: set[
 
 def apply_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:
     """Mask, in place, every token each row's grammar does not allow next (-inf)."""
-    xgr = _xgr()
+    xgr = xgrammar_module()
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
     for row, g in zip(rows, grammars):
         g.matcher.fill_next_token_bitmask(bitmask, row)

@@ -34,7 +34,8 @@ from pdserve.engine.sampling_params import (
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sequence import Priority
 from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
-from pdserve.engine.structured import MAX_SPEC_CHARS, StructuredOutput, check_limits, choice_spec, json_depth
+from pdserve.engine.grammar_spec import MAX_SPEC_CHARS, StructuredOutput, choice_spec
+from pdserve.engine.structured import check_limits, json_depth
 from pdserve.router.errors import InvalidParameterError
 
 # Beam search reads the top 2 * width logprobs of each step: a technical bound, below the share cap.
