@@ -25,10 +25,10 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.serve_stats import CpuMeter, summarize_run
+from pdserve.bench.serve_stats import CpuMeter, LoadResult, RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -102,54 +102,6 @@ class Target:
             raise ValueError(f"prompt_format must be 'ids' or 'text', got {self.prompt_format!r}")
         if self.vocab_size < 4:
             raise ValueError("vocab_size must be >= 4")
-
-
-@dataclass
-class RequestRecord:
-    """One request as the client saw it (monotonic seconds)."""
-
-    group: str
-    index: int
-    prompt_len: int
-    output_len: int                       # asked for (max_tokens)
-    sent: float | None = None             # None: never sent (the run's time limit came first)
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-    usage_completion_tokens: int | None = None
-    usage_prompt_tokens: int | None = None
-    cached_prompt_tokens: int | None = None
-    request_id: str = ""
-    phase: dict | None = None             # pdserve's phase record of the request (its last chunk)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.token_times)
-
-
-@dataclass
-class LoadResult:
-    """Every request of a run plus the run's wall time and the client's own CPU use."""
-
-    records: list[RequestRecord]
-    started: float
-    wall_s: float
-    client_cpu_s: float
-    stall_threshold_s: float
-    time_limited: bool = False
-
-    @property
-    def errors(self) -> list[str]:
-        return [f"{r.group}#{r.index}: {r.error}" for r in self.records if r.error]
-
-    def summary(self, ttft_slo_s: float | None = None, itl_slo_s: float | None = None) -> dict:
-        """Per group and overall figures (see :func:`serve_stats.summarize_run`)."""
-        return summarize_run(self, ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s)
-
-    def timelines(self) -> list[dict]:
-        """Per request token timestamps relative to the run start, for plots and the JSON."""
-        return [{"group": r.group, "index": r.index, "sent": None if r.sent is None else r.sent - self.started,
-                 "tokens": [round(t - self.started, 6) for t in r.token_times], "error": r.error}
-                for r in self.records]
 
 
 # --------------------------------------------------------------------------- prompts

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pdserve.bench.serve_load import RequestRecord
-from pdserve.bench.serve_stats import gaps, ttft
+from pdserve.bench.serve_stats import RequestRecord, gaps, ttft
 
 
 def _pyplot():
