@@ -25,7 +25,6 @@ No CPU-vendor test anywhere: the measurement decides.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -35,6 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from filelock import FileLock
 
 if TYPE_CHECKING:
     import torch
@@ -119,15 +120,15 @@ class KernelCache:
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, dict]]:
         """The cached entries, under the file's lock; changes to the dict are written back."""
+        lock = FileLock(self.path.with_suffix(".lock"), mode=0o644)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+            lock.acquire()
         except OSError as exc:
             logger.warning("kernel cache %s not writable (%s): measuring without a cache", self.path, exc)
             yield {}
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             entries = self._read()
             before = json.dumps(entries, sort_keys=True)
             yield entries
@@ -136,7 +137,7 @@ class KernelCache:
                 tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
                 os.replace(tmp, self.path)
         finally:
-            os.close(fd)
+            lock.release()
 
     def _read(self) -> dict[str, dict]:
         try:

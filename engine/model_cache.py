@@ -3,12 +3,13 @@ reused by every later run and every process on the machine."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 
 def default_cache_dir() -> Path:
@@ -30,22 +31,20 @@ def cached_model(root: Path, key: str, build: Callable[[Path], object]) -> tuple
     if (final / "model.safetensors").is_file():
         return final, False
     root.mkdir(parents=True, exist_ok=True)
-    with (root / f".{key}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # filelock: flock underneath (the lock files of earlier versions still exclude); 0.26 ms an
+    # acquire against 0.01 ms for a bare fcntl.flock, nothing beside a build of seconds.
+    with FileLock(root / f".{key}.lock"):
+        if (final / "model.safetensors").is_file():
+            return final, False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
         try:
-            if (final / "model.safetensors").is_file():
-                return final, False
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
+            build(tmp)
+            tmp.chmod(0o755)
             try:
-                build(tmp)
-                tmp.chmod(0o755)
-                try:
-                    os.rename(tmp, final)
-                except OSError:  # someone who ignores the lock got there first
-                    if not (final / "model.safetensors").is_file():
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                os.rename(tmp, final)
+            except OSError:  # someone who ignores the lock got there first
+                if not (final / "model.safetensors").is_file():
+                    raise
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            shutil.rmtree(tmp, ignore_errors=True)
     return final, True

@@ -3,7 +3,7 @@
 Life of a claim:
 1. A worker process, before it builds its engine, asks for ``n`` cores (its Ray ``num_cpus``,
    rounded down, or ``engine.num_threads``), clamped to the cores it may run on at all.
-2. Under an exclusive ``flock`` on ``<dir>/pdserve-cores.lock`` (``/tmp`` by default: one file
+2. Under an exclusive lock (``filelock``: ``flock`` underneath) on ``<dir>/pdserve-cores.lock`` (``/tmp`` by default: one file
    per host, since Ray's workers of one node share it), the allocator reads the table
    ``core -> owner pid``, drops owners that are no longer alive (a crashed worker frees its cores
    by dying), and takes the ``n`` lowest free cores.
@@ -16,13 +16,14 @@ Life of a claim:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from pdserve.cluster.pids import pid_alive
 
@@ -55,9 +56,7 @@ class CoreAllocator:
 
     @contextlib.contextmanager
     def _table(self) -> Iterator[dict[str, int]]:
-        fd = os.open(self.dir / LOCK, os.O_CREAT | os.O_RDWR, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with FileLock(self.dir / LOCK, mode=0o666):
             path = self.dir / TABLE
             try:
                 table = {k: int(v) for k, v in json.loads(path.read_text()).items()}
@@ -68,8 +67,6 @@ class CoreAllocator:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(table, sort_keys=True))
             os.replace(tmp, path)
-        finally:
-            os.close(fd)
 
     def claim(self, n: int, usable: set[int], pid: int | None = None) -> tuple[int, ...]:
         """``n`` free cores of ``usable`` for ``pid`` (this process), or () when too few are free."""

@@ -12,6 +12,10 @@ is refused. Life cycle:
 4. ``release()`` closes the owner's descriptor: the lock is free once its server has exited too.
    A lock whose holders all died is already free (the kernel drops it with its last descriptor):
    the stale file is simply taken over, and the server then loads the directory's AOF.
+
+A bare ``fcntl.flock``, not ``filelock`` (which the other locks use): the descriptor itself is
+handed to the server and the holders' pids are written into the locked file, neither of which
+``filelock`` offers (it keeps its descriptor private and never lets a child inherit it).
 """
 
 from __future__ import annotations
