@@ -3,6 +3,13 @@
 Labels stay low-cardinality: ``model`` (the served name) on every sample, ``api`` (http | grpc |
 batch) and ``outcome`` (a finish reason or an error type). Every family has HELP and TYPE. ``Serving`` hands it every request's ``RequestRecord`` (it is the first
 ``RequestObserver``); ``render`` writes the exposition format.
+
+Written by hand, not with ``prometheus_client``, on purpose: ``request_ended`` runs on the
+router's event loop for every request, and the same families on ``prometheus_client`` took
+2.6-7x its time per request (22 vs 57 us with 63 ITL gaps; 14-41 vs 97-163 us in loaded runs)
+and 12-23x per scrape (27 vs 634 us); its exposition also orders labels alphabetically
+(``api``, ``model``, ``outcome``) and writes counts as floats, where tests and dashboards read
+``model`` first. (2026-12, 2-core host; the same families, buckets and labels on both.)
 """
 
 from __future__ import annotations

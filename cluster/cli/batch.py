@@ -63,6 +63,8 @@ def _json(args, method: str, path: str, body: dict | None = None) -> dict:
 
 
 def _upload(args, path: Path) -> dict:
+    # Two fixed fields built by hand: this CLI is synchronous on urllib (one short process, no
+    # event loop), and aiohttp's FormData/MultipartWriter serialise only asynchronously.
     boundary = uuid.uuid4().hex
     content = path.read_bytes()
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"

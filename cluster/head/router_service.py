@@ -47,6 +47,7 @@ from pdserve.router.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0   # how long a stopping router lets its requests in flight finish
+IN_FLIGHT_INTERVAL_S = 1.0   # how often the Ray gauges of the router's requests in flight are set
 
 
 class _RequestLogWriter:
@@ -218,6 +219,7 @@ class RouterService:
         loop = asyncio.get_running_loop()
         if self.ledger is not None:
             self._tasks.append(loop.create_task(self._reap_loop()))
+        self._tasks.append(loop.create_task(self._in_flight_loop(), name="router-in-flight"))
         if cfg.planner.enabled:
             self._tasks.append(loop.create_task(self._plan_loop()))
         if self.elected:
@@ -331,6 +333,14 @@ class RouterService:
         except Exception:
             logger.exception("control-plane takeover failed; retried on the next lease tick")
             self._adopted = False
+
+    async def _in_flight_loop(self, interval_s: float = IN_FLIGHT_INTERVAL_S) -> None:
+        """Keep ``ray_pdserve_num_requests_running/waiting`` (``role="router"``) at admission's
+        requests in flight and queued."""
+        admission = self.serving.admission
+        while True:
+            self.metrics.set_in_flight(admission.in_flight, admission.queued)
+            await asyncio.sleep(interval_s)
 
     async def _heartbeat_loop(self, interval_s: float = 2.0) -> None:
         while True:
