@@ -65,6 +65,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pdserve.capacity.profile_fit import BUSY_STREAMS, format_profile
+
 if TYPE_CHECKING:
     from pdserve.capacity.profile import ServingProfile
 
@@ -359,7 +361,7 @@ def time_1m(profile) -> dict:
 
 def run_bench(args: argparse.Namespace) -> dict:
     from pdserve.bench.hw import cpu_model
-    from pdserve.bench.profiler import BUSY_STREAMS, format_profile, measure_served, run_profile, speed_probe
+    from pdserve.bench.profiler import measure_served, run_profile, speed_probe
     from pdserve.bench.serve_load import GroupSpec, Target, arrival_gaps, run_load
     from pdserve.bench.servers import Server
     from pdserve.capacity.profile import Profile

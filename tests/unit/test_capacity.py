@@ -473,7 +473,7 @@ def test_a_request_arriving_while_its_worker_computes_lengthens_that_step() -> N
 def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _probe_steps
+    from pdserve.capacity.profile_fit import _probe_steps
 
     # three streams decode in 40 ms steps; each probe's prompt step (ending with its first
     # token) takes 130 ms at 128 tokens and 290 at 384, while the host is 25% slower for one of them
@@ -498,7 +498,7 @@ def test_a_probe_step_is_read_against_the_decode_steps_of_the_same_streams_then(
 def test_a_first_tokens_overhead_beside_decoding_streams_is_what_the_simulators_wait_leaves_out() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _probe_wait_overhead
+    from pdserve.capacity.profile_fit import _probe_wait_overhead
 
     # three streams decode in 40 ms steps; eight probes are sent 2.5-37.5 ms before a step
     # boundary, reach the engine 4 ms later (the one sent 2.5 ms before misses that boundary and
@@ -532,7 +532,7 @@ def test_a_first_tokens_overhead_beside_decoding_streams_is_what_the_simulators_
 def test_a_disaggregated_decode_gap_beside_another_streams_first_token_is_kept() -> None:
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _staggered_gaps
+    from pdserve.capacity.profile_fit import _staggered_gaps
 
     # 40 ms steps; a stream decoding from 1.42 s, another whose first token comes at 1.80 s, in
     # the middle of one of the first one's gaps, and one sent at 2.5 s (the readings end there)
@@ -552,7 +552,7 @@ def test_a_disaggregated_decode_gap_beside_another_streams_first_token_is_kept()
 
 
 def test_the_prompt_step_line_is_read_from_two_prompt_lengths() -> None:
-    from pdserve.bench.profiler import mixed_step_fit
+    from pdserve.capacity.profile_fit import mixed_step_fit
 
     pre = engine().prefill_step_s                  # 0.1 s at 128 tokens, 0.4 s at 512
     line = {n: [0.95 * pre(n) + 0.012 + e for e in (-0.003, 0.0, 0.05)] for n in (128, 512)}
@@ -744,7 +744,7 @@ def test_staggered_streams_give_the_decode_step_factor_from_the_gaps_without_a_p
     steps 1.2x the profiled ones, a request sent during a step 6 ms longer for it, a step that
     takes a new prompt 0.1 s longer. The factor is read from the decode steps without a send, at
     the batch decoding in each, and the send's cost from those with one."""
-    from pdserve.bench.profiler import _staggered_steps
+    from pdserve.capacity.profile_fit import _staggered_steps
 
     records, eng = _staggered_closed_loop()
     ratios, batch, arrival, with_send = _staggered_steps(records, eng, arrival_prior=0.006)
@@ -761,7 +761,7 @@ def test_staggered_streams_with_few_steps_free_of_sends_read_those_with_one_less
         monkeypatch: pytest.MonkeyPatch) -> None:
     """At 40-50 streams nearly every step has a send in it: the steps with one join the reading,
     less what an earlier reading on the server put a send at, and only where one is known."""
-    import pdserve.bench.profiler as prof
+    import pdserve.capacity.profile_fit as prof
 
     records, eng = _staggered_closed_loop()
     free, _, _, _ = prof._staggered_steps(records, eng)
@@ -786,7 +786,7 @@ def test_staggered_streams_give_each_step_that_took_prompts_once_from_the_phase_
     tokens, the streams decoding beside them and the requests sent during it."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _staggered_prompt_steps
+    from pdserve.capacity.profile_fit import _staggered_prompt_steps
 
     eng = engine(2, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
@@ -833,7 +833,7 @@ def test_disaggregated_staggered_streams_split_their_steps_by_the_prefill_beside
     1.5x the profiled step, any other 1.2x."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _beside_prefills
+    from pdserve.capacity.profile_fit import _beside_prefills
 
     eng = engine(1, decode=(0.02, 0.03, 0.06))
     lengths = iter([20, 25, 30, 35] + [22, 31, 27, 24, 36, 29, 21, 33] * 3)
@@ -884,7 +884,7 @@ def test_prompts_packed_in_one_prefill_step_read_the_whole_step() -> None:
     in a step far apart is another step."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _prefill_steps
+    from pdserve.capacity.profile_fit import _prefill_steps
 
     def rec(sent: float, queue: float, share: float) -> SimpleNamespace:
         return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 2 * share + 0.05, sent + 3.0],
@@ -905,7 +905,7 @@ def test_a_long_disaggregated_gap_is_kept_as_the_token_gap_tail() -> None:
     prompts: such a gap is a late delivery or a stalled step, the tail the jitter must carry."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _staggered_gaps
+    from pdserve.capacity.profile_fit import _staggered_gaps
 
     eng = engine(1, decode=(0.02, 0.03, 0.06))         # its 128-token prefill 0.1 s: half is 0.05
     def ticks(start: float, end: float, hiccup: float) -> list[float]:
@@ -930,7 +930,7 @@ def test_disaggregated_staggered_streams_give_the_first_token_overhead_beyond_qu
     record's queue and prefill is the overhead, whatever those two were."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import _staggered_first_token_overhead
+    from pdserve.capacity.profile_fit import _staggered_first_token_overhead
 
     def rec(sent: float, queue: float, prefill: float, over: float, end: float) -> SimpleNamespace:
         first = sent + queue + prefill + over
@@ -958,7 +958,7 @@ def test_the_first_token_overhead_is_read_apart_for_prompts_that_waited_at_the_p
     is each over its own kind's median, pooled."""
     from types import SimpleNamespace
 
-    from pdserve.bench.profiler import QUEUED_S, TTFT_QUANTILES, _staggered_first_token_overhead
+    from pdserve.capacity.profile_fit import QUEUED_S, TTFT_QUANTILES, _staggered_first_token_overhead
 
     def rec(sent: float, queue: float, over: float, end: float = 60.0) -> SimpleNamespace:
         return SimpleNamespace(ok=True, sent=sent, token_times=[sent + queue + 0.07 + over, end],
@@ -1017,7 +1017,7 @@ def test_the_first_token_overhead_is_drawn_per_request_from_its_spread_in_drawn_
 
 
 def test_the_jitter_quantiles_are_read_over_their_median() -> None:
-    from pdserve.bench.profiler import JITTER_QUANTILES, _jitter_quantiles
+    from pdserve.capacity.profile_fit import JITTER_QUANTILES, _jitter_quantiles
 
     values = [0.04] * 90 + [0.12] * 10          # one gap in ten three times the median
     q = _jitter_quantiles(values)
@@ -1169,7 +1169,7 @@ def test_the_served_handoff_extra_delays_the_second_token_not_the_first() -> Non
 
 
 def test_staggered_streams_run_enough_rounds_to_read_the_jitter_tail() -> None:
-    from pdserve.bench.profiler import BUSY_OUT, STAGGER_MIN_GAPS, STAGGER_ROUNDS, _stagger_rounds
+    from pdserve.capacity.profile_fit import BUSY_OUT, STAGGER_MIN_GAPS, STAGGER_ROUNDS, _stagger_rounds
 
     assert _stagger_rounds(8) == STAGGER_ROUNDS == _stagger_rounds(32, STAGGER_MIN_GAPS)
     assert _stagger_rounds(3, STAGGER_MIN_GAPS) == 6
