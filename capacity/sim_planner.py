@@ -1,10 +1,10 @@
 """The live planner inside the simulator (``capacity/simulate.py``): ``pdserve simulate --planner CONFIG``.
 
 The simulated cluster is decided by the same code that scales a real one: every
-``planner.interval_s`` of simulated time, ``cluster.planner.Planner.decide`` reads each simulated
+``planner.interval_s`` of simulated time, ``capacity.planner.Planner.decide`` reads each simulated
 worker's metrics (queued prompt tokens, running and waiting sequences, KV usage, the step time as
 its ITL) and, with ``planner.profile`` set, the capacity model's targets for the traffic that ended
-in the last ``planner.traffic_window_s`` (``cluster.traffic_window``). A scale-up starts workers
+in the last ``planner.traffic_window_s`` (``capacity.traffic_window``). A scale-up starts workers
 that take ``worker_start_s`` to come up; a scale-down drains the worker the planner names: it takes
 no new request, finishes what it has, then stops. The result says what the planner did and what
 the workers cost (worker-seconds, from the request to start one until it stopped).
