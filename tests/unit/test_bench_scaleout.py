@@ -1,6 +1,6 @@
 """The settings and tables of ``pdserve bench failover`` and ``pdserve bench router --routers``.
 The runs themselves need Ray, Redis and several router processes: they are benchmarks, run by
-hand (``test_control_plane_failover`` and ``test_cli_routers`` cover the same paths as tests)."""
+hand (``test_control_plane_failover`` and ``test_cli_ops`` cover the same paths as tests)."""
 
 from __future__ import annotations
 

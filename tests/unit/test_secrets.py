@@ -2,7 +2,7 @@
 hand-off; and a router open to other machines needs a key or TLS (`config check`).
 
 The CLI runs in this process (``pdserve.cli.main``); the end-to-end check of a real head's
-argv and state files is ``tests/integration/test_cli_secrets.py``.
+argv and state files is ``tests/integration/test_cli_ops.py``.
 """
 
 from __future__ import annotations
