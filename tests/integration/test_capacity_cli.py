@@ -28,7 +28,6 @@ def tiny_profile(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-@pytest.mark.slow
 def test_the_profile_holds_real_measurements(tiny_profile: Path, tiny_model: Path) -> None:
     prof = Profile.load(tiny_profile)
     cfg = json.loads((tiny_model / "config.json").read_text())
@@ -46,7 +45,6 @@ def test_the_profile_holds_real_measurements(tiny_profile: Path, tiny_model: Pat
     assert prof.worker_start_s > 0 and prof.speed_probe_s > 0 and prof.serving == {}
 
 
-@pytest.mark.slow
 def test_plan_and_simulate_run_on_the_profile(tiny_profile: Path, tmp_path: Path) -> None:
     traffic = tmp_path / "traffic.yaml"
     traffic.write_text("rate: 20\nprompt_len: {mean: 64, dist: lognormal, max: 256}\n"

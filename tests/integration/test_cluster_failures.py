@@ -25,7 +25,7 @@ from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_en
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = pytest.mark.timeout(360)
 
 # Long enough that prefilling it in 64-token chunks leaves time to kill a worker meanwhile.
 LONG_PROMPT = "Twelve cooks read the whole ticket at once, then each one starts a different dish. " * 90

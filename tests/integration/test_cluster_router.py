@@ -34,7 +34,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.backend import Finished, GenerateRequest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 GEN = 24
 GRAMMAR_BUDGET_S = 2.0   # structured.compile_timeout_s of this cluster

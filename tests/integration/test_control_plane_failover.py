@@ -36,7 +36,7 @@ import openai
 import pytest
 from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 LEASE_S = 3.0
 LEDGER_LEASE_S = 6.0

@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineMode
 from pdserve.engine.sampling_params import SamplingParams
 from waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def collect(worker: DecodeWorker, owner: str, ids: set[str], timeout_s: float = 60.0) -> dict[str, list]:

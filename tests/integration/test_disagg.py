@@ -19,7 +19,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import load_model_spec
 from pdserve.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
 
 LENGTHS = (1, 15, 16, 17, 100, 300)
 CHUNK = 32       # max_num_batched_tokens: every prompt over 32 tokens is prefilled in chunks

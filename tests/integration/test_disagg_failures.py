@@ -24,7 +24,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import load_model_spec
 from pdserve.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
 
 TRANSFER_TIMEOUT_S = 3.0
 QUARANTINE_S = 0.5

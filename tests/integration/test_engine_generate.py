@@ -14,7 +14,6 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
 
 PROMPT_LENS = (1, 7, 16, 33, 70)
 MAX_TOKENS = 24

@@ -20,7 +20,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 
-pytestmark = pytest.mark.slow
 
 BUDGET_S = 1.0
 NEIGHBOUR_TOKENS = 600

@@ -22,7 +22,7 @@ import pytest
 from pdserve.cluster.head.head_processes import HEAD_ID_ENV, HeadIdentity, leftovers, new_head_id, stop_leftovers
 from pdserve.cluster.pids import start_ticks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 SLEEP = "import time; time.sleep(300)"
 STAND_IN_HEAD = f"""

@@ -32,7 +32,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import Finished, GenerateRequest, TokenDelta
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 GEN = 12
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate((3, 17, 40, 9))]

@@ -7,13 +7,11 @@ speed: the bound checked does not depend on timing."""
 
 from __future__ import annotations
 
-import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import ItlBudget, LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
 
 LONG = 300
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 from cluster_helpers import ClusterHarness, cluster_config, running_cluster, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 STREAMS, TOKENS = 4, 40
 

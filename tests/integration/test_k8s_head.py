@@ -40,7 +40,7 @@ import yaml
 from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 from scripts import procs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

@@ -15,7 +15,7 @@ import pytest
 import ray
 from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["A drained decode worker hands its streams over:", "Nothing is recomputed when the KV moves,"]
 GEN = 800

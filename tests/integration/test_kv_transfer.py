@@ -25,7 +25,6 @@ from pdserve.kv_transfer.receiver import EXPIRY_SKEW_S
 from pdserve.kv_transfer import (KVAgent, KVLayout, KVReceiver, KVSender, RecvState, SendState,
                                  TransferParams)
 
-pytestmark = pytest.mark.slow
 
 WAIT_S = 15.0  # upper bound for any single wait in this file
 SEED = 1234

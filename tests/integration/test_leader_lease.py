@@ -5,12 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 
 from pdserve.cluster.control.leader import LeaderLease
 from pdserve.cluster.state.worker_registry import RouterRecord, WorkerRecord, WorkerRegistry
 
-pytestmark = pytest.mark.slow
 
 
 def lease(client, ns: str, holder: str, lease_s: float = 0.5) -> LeaderLease:

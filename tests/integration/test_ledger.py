@@ -22,7 +22,6 @@ from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 from pdserve.cluster.state.redis_supervisor import RedisSupervisor
 from pdserve.engine.errors import PdserveError
 
-pytestmark = pytest.mark.slow
 S = LedgerState
 
 # The shortest legal path from a fresh reservation to each state.

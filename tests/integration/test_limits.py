@@ -28,7 +28,7 @@ from cluster_helpers import ClusterHarness, cluster_config, wait_until
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 LIMIT = 48

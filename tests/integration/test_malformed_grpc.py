@@ -23,7 +23,7 @@ from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 CASES = {
     "corrupt wire format": b"\xff\xff\xff\xff",

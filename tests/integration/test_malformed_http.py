@@ -29,7 +29,7 @@ from pdserve.router.http_server import HttpServer, start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 MAX_BODY = 1024 * 1024
 BODY_TIMEOUT_S = 1.0

@@ -21,7 +21,6 @@ import ray
 from pdserve.cluster.runtime.metrics import METRICS
 from ray_settings import METRICS_REPORT_INTERVAL_MS
 
-pytestmark = pytest.mark.slow
 
 SCRAPE_TIMEOUT_S = 40.0
 _LINE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")

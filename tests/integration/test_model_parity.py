@@ -108,7 +108,6 @@ def model_pair(request, tmp_path_factory):
     return request.param, model_dir, hf
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["dense", "packed"])
 def test_fp32_logits_match_transformers(model_pair, backend):
     name, model_dir, hf = model_pair
@@ -130,7 +129,6 @@ def test_fp32_logits_match_transformers(model_pair, backend):
     print(f"{name} {backend}: worst max|diff|/max|logit| = {worst:.2e} over {rows} rows")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("mkl_packed", "auto"), ("dense", "sdpa")])
 def test_fp32_llama_other_kernels_match_transformers(linear, attention):
     """One Llama case per alternative path, so each stays covered: the gemv matmuls (every decode
@@ -145,7 +143,6 @@ def test_fp32_llama_other_kernels_match_transformers(linear, attention):
     assert_scenario_exact(runner, hf, f"{linear}/{attention}")
 
 
-@pytest.mark.slow
 def test_fp32_logits_with_bucketed_rows_match_transformers(monkeypatch):
     """Steps whose matmuls run at a padded row count (engine/row_buckets.py: on for bf16 and for
     oneDNN's packed float32, forced here on dense float32) stay exact: the padding rows go through
@@ -165,7 +162,6 @@ def test_fp32_logits_with_bucketed_rows_match_transformers(monkeypatch):
     assert any(b > n for n, b in seen), f"no step was padded: {seen}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fresh", ["native", "sdpa"])
 def test_fp32_fresh_prefill_chunks_either_way_match_transformers(fresh):
     """Fresh prefill chunks (nothing cached before them) take whichever of the C++ kernel and SDPA
@@ -189,7 +185,6 @@ def test_fp32_fresh_prefill_chunks_either_way_match_transformers(fresh):
         assert float((row - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
 
 
-@pytest.mark.slow
 def test_llama3_scaling_changes_logits():
     """Guards the llama3 parity test: with scaling ignored, logits would differ."""
     plain = ModelRunner(ensure_model("tiny"), block_size=BLOCK, num_blocks=16)
@@ -199,7 +194,6 @@ def test_llama3_scaling_changes_logits():
     assert float((a - b).abs().max()) > 1e-2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch,backend", [("llama", "auto"), ("qwen2", "auto"), ("llama", "dense")])
 def test_bf16_close_to_fp32(arch, backend):
     model_dir = ensure_model("tiny", arch=arch)
@@ -218,7 +212,6 @@ def test_bf16_close_to_fp32(arch, backend):
     assert agree >= 0.8 * rows
 
 
-@pytest.mark.slow
 def test_non_sampling_items_return_no_rows_and_cache_is_reused():
     model_dir = ensure_model("tiny")
     runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=8)  # 1e-4 below

@@ -19,7 +19,7 @@ import pytest
 
 from scripts import procs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = pytest.mark.timeout(360)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "multinode_run.py"
 RUN_TIMEOUT_S = 300

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "netns_run.py"
 RUN_TIMEOUT_S = 480

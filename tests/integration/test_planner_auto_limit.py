@@ -15,7 +15,7 @@ import pytest
 
 from cluster_helpers import cluster_config, greedy, reference_engine, running_cluster, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = pytest.mark.timeout(360)
 
 GEN = 192
 PROMPTS = [f"Stream {i} keeps the decode pool busy with a long answer about" for i in range(8)]

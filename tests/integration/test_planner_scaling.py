@@ -20,7 +20,7 @@ import pytest
 
 from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 GEN = 64
 # Burst requests run ~4x longer than the light-load ones.

@@ -28,7 +28,7 @@ from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 NAME = "smollm2"
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

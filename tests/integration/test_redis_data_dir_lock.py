@@ -22,7 +22,7 @@ from pdserve.cluster.state.data_dir_lock import LOCK_NAME, DataDirLockedError
 from pdserve.cluster.pids import pid_alive
 from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 # An owner that starts a server on a data directory, writes a key, reports, and waits to be killed.
 OWNER = """

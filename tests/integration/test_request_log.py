@@ -8,7 +8,6 @@ import pytest
 
 from pdserve.cluster.state.request_log import RequestLog
 
-pytestmark = pytest.mark.slow
 
 STREAM_NODE_ENTRIES = 100  # Valkey's stream-node-max-entries: approximate trimming's granularity
 

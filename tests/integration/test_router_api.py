@@ -35,7 +35,7 @@ from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 MAX_LEN = 256
 MAX_BODY = 64 * 1024

@@ -27,7 +27,7 @@ import ray
 import requests
 from cluster_helpers import SLOW_PREFILL_OVERRIDES, ClusterHarness, cluster_config, running_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 TRANSFER_TIMEOUT_S = 2.0
 PROMPTS = 48

@@ -17,7 +17,7 @@ import pytest
 import requests
 from cluster_helpers import SLOW_PREFILL_OVERRIDES, ClusterHarness, cluster_config, running_cluster, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 LIMIT_S = 0.3
 PROMPTS = 16

@@ -15,7 +15,7 @@ from pdserve.engine.contract import RequestPhase
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.worker.base import WorkerObserver
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 class Recorder(WorkerObserver):

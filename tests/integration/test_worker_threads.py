@@ -10,12 +10,10 @@ import json
 import os
 import time
 
-import pytest
 
 from pdserve.cluster.runtime.workers import start_worker, stop_worker, wait_ready
 from pdserve.engine.config import EngineConfig
 
-pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 60.0
 

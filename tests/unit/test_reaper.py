@@ -12,7 +12,6 @@ from pdserve.cluster.state.ledger import KVLedger, LedgerState, Side
 from pdserve.cluster.control.reaper import LeaseReaper
 from pdserve.cluster.state.redis_server import connect
 
-pytestmark = pytest.mark.slow  # needs a Redis server process
 S = LedgerState
 LATER = 3600.0  # seconds added to "now" to make 30 s leases look expired without sleeping
 
