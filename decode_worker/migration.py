@@ -27,17 +27,49 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.engine.contract import StepOutput
 from pdserve.engine.errors import OutOfBlocksError, PdserveError
-from pdserve.engine.sampling_params import continuation
-from pdserve.engine.sequence import SequenceStatus
+from pdserve.engine.sampling_params import SamplingParams, continuation
+from pdserve.engine.sequence import Priority, SequenceStatus
 from pdserve.kv_transfer import KVSender, SendState, TransferParams
 
 logger = logging.getLogger(__name__)
 
 MIGRATION_CALL_TIMEOUT_S = 30.0
+
+
+class MigrationPeer(Protocol):
+    """Another decode worker as live migration calls it: each call waits for its answer and
+    raises what the peer raised. Workers do not know Ray: the cluster's worker actor
+    (``cluster/runtime/worker_actors.py``) provides one over Ray."""
+
+    def reserve(self, request_id: str, num_prompt_tokens: int, owner: str) -> bytes: ...
+
+    def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+              priority: Priority, resume_key: str) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationTarget:
+    """A decode worker that may take migrated streams: its id and how to call it."""
+
+    worker_id: str
+    peer: MigrationPeer
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationOutcome:
+    """What ``migrate_out`` did: streams moved with their KV, ended for a recompute elsewhere
+    (``fallbacks``), and requests left here (not movable now; they finish here)."""
+
+    moved: int
+    fallbacks: int
+    left: int
 
 
 class MigrationMixin:
@@ -47,9 +79,8 @@ class MigrationMixin:
     kv_migrations_out = 0   # requests whose KV this worker moved to another decode worker
     kv_migration_fallbacks = 0  # requests it could not move (ended for a recompute-migration)
 
-    def migrate_out(self, targets: list[tuple[str, Any]]) -> dict:
-        """Move every running, fully prefilled request to ``targets`` ((worker id, actor) pairs,
-        tried in order). Returns {"moved": n, "fallbacks": n, "left": n (not movable now)}."""
+    def migrate_out(self, targets: list[MigrationTarget]) -> MigrationOutcome:
+        """Move every running, fully prefilled request to ``targets`` (tried in order)."""
         candidates = self._loop.call(lambda e: [
             s.request_id for s in e.scheduler.running()
             if s.num_computed_tokens == s.num_tokens - 1 and s.request_id in self._owner_of])
@@ -61,15 +92,9 @@ class MigrationMixin:
         left = self._loop.call(lambda e: e.scheduler.num_running + e.scheduler.num_waiting)
         logger.info("%s: moved %d request(s) to other decode workers, %d fell back to recompute, %d left",
                     self.worker_id, moved, fallbacks, left)
-        return {"moved": moved, "fallbacks": fallbacks, "left": left}
+        return MigrationOutcome(moved=moved, fallbacks=fallbacks, left=left)
 
-    def _remote(self, actor: Any, method: str, *args: Any, timeout_s: float = MIGRATION_CALL_TIMEOUT_S,
-                **kwargs: Any) -> Any:
-        """Call ``method`` on another worker's actor and wait for its result. Workers do not know
-        Ray: the cluster's actor class (``cluster/runtime/pinned_workers.py``) provides this."""
-        raise NotImplementedError("live migration runs in the cluster's decode worker actors")
-
-    def _migrate_one(self, rid: str, targets: list[tuple[str, Any]]) -> str:
+    def _migrate_one(self, rid: str, targets: list[MigrationTarget]) -> str:
         seq = self._loop.call(lambda e: self._detach(e, rid))
         if seq is None:
             return "skipped"
@@ -78,9 +103,10 @@ class MigrationMixin:
         done, last = list(seq.output_token_ids[:-1]), seq.output_token_ids[-1]
         prompt, params = continuation(seq.prompt_token_ids, seq.params, done, prompt_logprobs_sent=True)
         error = "no other decode worker has room for its KV"
-        for target_id, target in targets:
+        for target in targets:
+            target_id, peer = target.worker_id, target.peer
             try:
-                raw = self._remote(target, "reserve", rid, len(prompt), owner=owner)
+                raw = peer.reserve(rid, len(prompt), owner=owner)
             except Exception as exc:  # OutOfBlocks (no room), or the target is gone: try the next one
                 cause = getattr(exc, "cause", exc)
                 if not isinstance(cause, OutOfBlocksError):
@@ -89,12 +115,12 @@ class MigrationMixin:
             try:
                 transfer = TransferParams.from_bytes(raw)
                 self._send_blocks(seq, transfer)
-                self._remote(target, "start", rid, prompt, last, params, seq.priority, resume_key=resume_key)
+                peer.start(rid, prompt, last, params, seq.priority, resume_key=resume_key)
             except Exception as exc:
                 error = f"moving its KV to {target_id} failed: {getattr(exc, 'cause', exc)}"
                 logger.warning("%s: request %s: %s", self.worker_id, rid, error)
                 try:
-                    self._remote(target, "abort", rid)
+                    peer.abort(rid)
                 except Exception:  # noqa: BLE001 - its reservation expires on its own
                     pass
                 break

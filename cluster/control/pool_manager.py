@@ -243,7 +243,7 @@ class PoolManager:
         try:
             report = await asyncio.wait_for(handle.actor.migrate_out.remote(targets), timeout_s)
             logger.info("drain of %s: %d stream(s) moved with their KV, %d recomputed elsewhere, %d left to finish",
-                        worker_id, report["moved"], report["fallbacks"], report["left"])
+                        worker_id, report.moved, report.fallbacks, report.left)
         except Exception as exc:  # the drain still waits for what is left
             logger.warning("drain of %s: moving its streams failed: %s", worker_id, exc)
 

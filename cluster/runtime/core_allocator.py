@@ -20,12 +20,13 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from filelock import FileLock
 
 from pdserve.cluster.pids import pid_alive
+from pdserve.engine.contract import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ class CorePlacement:
     cores: tuple[int, ...]    # () = not pinned
     reason: str               # why it is (not) pinned, for status and logs
 
-    def as_stats(self) -> dict[str, object]:
-        """Cores and why; the thread count is reported by the engine itself (what torch uses)."""
-        return {"cores": list(self.cores), "pinning": self.reason}
+    def stamp(self, stats: WorkerStats) -> WorkerStats:
+        """``stats`` with these cores and why; the thread count is reported by the engine itself
+        (what torch uses)."""
+        return replace(stats, cores=list(self.cores), pinning=self.reason)
 
 
 def wanted_threads(num_cpus: float, num_threads: int | None, usable: int) -> int:
@@ -107,3 +109,20 @@ def place_this_process(num_cpus: float, num_threads: int | None,
     placement = CorePlacement(threads, cores, why)
     logger.info("worker computes on %d thread(s), cores %s", threads, list(cores) or "unpinned")
     return placement
+
+
+class CorePinning:
+    """A worker process's pinning policy: claim distinct cores of its host at start (``claim``),
+    give them back when it stops (``release``)."""
+
+    def __init__(self, placement: CorePlacement, allocator: CoreAllocator | None = None) -> None:
+        self.placement = placement
+        self._allocator = allocator or CoreAllocator()
+
+    @classmethod
+    def claim(cls, num_cpus: float, num_threads: int | None, allocator: CoreAllocator | None = None) -> CorePinning:
+        allocator = allocator or CoreAllocator()
+        return cls(place_this_process(num_cpus, num_threads, allocator), allocator)
+
+    def release(self) -> None:
+        self._allocator.release()

@@ -28,14 +28,14 @@ class WorkerHandle:
 
 
 def _actor_class(role: str) -> type:
-    """The worker service class of a role, with Ray metrics (see ``cluster/runtime/metered.py``), pinned
-    to cores of its own (``cluster/runtime/pinned_workers.py``)."""
-    from pdserve.cluster.runtime.pinned_workers import PinnedDecodeWorker, PinnedPrefillWorker
+    """The Ray actor class of a role's workers (``cluster/runtime/worker_actors.py``): the worker
+    service with Ray metrics, pinned to cores of its own."""
+    from pdserve.cluster.runtime.worker_actors import DecodeWorkerActor, PrefillWorkerActor
 
     if role == "prefill":
-        return PinnedPrefillWorker
+        return PrefillWorkerActor
     if role == "decode":
-        return PinnedDecodeWorker
+        return DecodeWorkerActor
     raise ValueError(f"unknown worker role {role!r}")
 
 
