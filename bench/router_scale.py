@@ -286,9 +286,9 @@ def _actors_level(st: ScaleSettings, n: int, base, redis_server, password: str, 
     routers = start_router_actors(config, redis_server.address_url, password, detached=False,
                                   name_prefix=f"pdserve-bench-router-{n}-")
     try:
-        pids = {"routers": [ep["pid"] for _, ep in routers], "workers": worker_pids,
+        pids = {"routers": [ep.pid for _, ep in routers], "workers": worker_pids,
                 "client": [client_pid], "bench_driver": [os.getpid()]}
-        row = _measure(st, pool, [ep["http_url"] for _, ep in routers], config.model.served_name, pids,
+        row = _measure(st, pool, [ep.http_url for _, ep in routers], config.model.served_name, pids,
                        ("routers",))
     finally:
         stop_router_actors([actor for actor, _ in routers])

@@ -152,7 +152,7 @@ def _status(server) -> dict:
 
 def _expired(status: dict) -> int:
     """Decode workers' expired reservations (a prefill thrown away), summed, from ``status``."""
-    from pdserve.engine.contract import ClusterStatus
+    from pdserve.cluster.status import ClusterStatus
 
     return sum(w.expired_reservations for w in ClusterStatus.from_dict(status).workers)
 

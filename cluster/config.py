@@ -29,6 +29,7 @@ from pdserve.capacity.planner import PlannerPolicy
 from pdserve.capacity.profile import Profile, ProfileError
 from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, SchedulingPolicy,
                                    StructuredLimits)
+from pdserve.engine.contract import WorkerRole, as_role
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.validation import DEFAULT_MAX_CHOICES
 
@@ -551,21 +552,22 @@ class ClusterConfig(_Settings):
         if self.prefill.engine.block_size != self.decode.engine.block_size:
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
-        for role in ("prefill", "decode"):
+        for role in WorkerRole:
             if self.pool(role).engine.linear_backend == "mkl_packed" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{role}.engine.linear_backend: 'mkl_packed' packs float32 weights; with "
                                  "model.dtype 'bfloat16' use 'auto', 'packed' or 'dense'")
         return self
 
-    def worker_engine_config(self, role: str) -> EngineConfig:
+    def worker_engine_config(self, role: WorkerRole) -> EngineConfig:
         """The engine config of one replica of ``role``'s pool. A disaggregated cluster's decode
         workers keep their streams' steps within ``slo.itl_ms``: a prompt prefilled there while
         sequences decode is chunked under that budget. The colocated baseline
         (``disaggregation.mode: never``) batches prompts like vLLM, up to max_num_batched_tokens."""
-        mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
+        role = as_role(role)
+        mode = EngineMode.PREFILL if role is WorkerRole.PREFILL else EngineMode.DECODE
         engine = dataclasses.replace(self.pool(role).engine_config(self.model, mode),
                                      structured=self.structured.limits())
-        if role == "decode" and self.router.disaggregation.mode != "never":
+        if role is WorkerRole.DECODE and self.router.disaggregation.mode != "never":
             engine = dataclasses.replace(engine, itl_target_ms=self.slo.itl_ms)
         return engine
 
@@ -585,10 +587,11 @@ class ClusterConfig(_Settings):
 
     def pool(self, role: object) -> PoolSettings:
         """The settings of the 'prefill' or 'decode' pool (a string or a role enum)."""
-        name = getattr(role, "value", role)
-        if name not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        return self.prefill if name == "prefill" else self.decode
+        try:
+            name = as_role(role)
+        except ValueError:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}") from None
+        return self.prefill if name is WorkerRole.PREFILL else self.decode
 
     def planner_policy(self) -> PlannerPolicy:
         p = self.planner

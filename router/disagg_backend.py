@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine.contract import PrefillResult, RequestPhase
+from pdserve.engine.contract import PrefillResult, RequestPhase, WorkerRole
 from pdserve.engine.block_manager import chain_hashes, salt_root
 from pdserve.engine.sampling_params import continuation
 from pdserve.engine.sequence import Priority
@@ -229,7 +229,7 @@ class DisaggBackend:
         if not req.resume_key:
             raise InvalidRequestError("resuming a stream (Last-Event-ID) needs the request's own id: send the "
                                       "X-Request-Id header the stream was started with")
-        members = [m for m in self.pool.members.values() if m.role == "decode" and m.view.alive]
+        members = [m for m in self.pool.members.values() if m.role is WorkerRole.DECODE and m.view.alive]
         found = await asyncio.gather(*(asyncio.wait_for(m.actor.take_stream.remote(req.resume_key), self.call_timeout_s)
                                        for m in members), return_exceptions=True)
         records = [r for r in found if r is not None and not isinstance(r, BaseException)]

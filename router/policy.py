@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdserve.engine.contract import WorkerStats
+from pdserve.engine.contract import WorkerRole, WorkerStats, as_role
 from pdserve.engine.kv_events import KVEvent, KVEventKind
 
 
@@ -22,7 +22,7 @@ class WorkerView:
     """What the router knows of one worker, refreshed from its stats."""
 
     worker_id: str
-    role: str
+    role: WorkerRole
     alive: bool = True
     draining: bool = False
     num_blocks: int = 1
@@ -45,6 +45,9 @@ class WorkerView:
     stats: WorkerStats | None = None                     # the worker's latest report
 
     unresponsive_since: float | None = None              # monotonic time its polls began to fail
+
+    def __post_init__(self) -> None:
+        self.role = as_role(self.role)
 
     @property
     def responsive(self) -> bool:

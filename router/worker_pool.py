@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.contract import WorkerStats
+from pdserve.engine.contract import WorkerRole, WorkerStats, as_role
 from pdserve.router.policy import WorkerView, apply_kv_events
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,12 @@ def remote_error(exc: BaseException) -> BaseException:
 @dataclass(slots=True)
 class PoolMember:
     worker_id: str
-    role: str
+    role: WorkerRole
     actor: Any
     view: WorkerView
+
+    def __post_init__(self) -> None:
+        self.role = as_role(self.role)
 
 
 class WorkerPool:
@@ -75,9 +78,10 @@ class WorkerPool:
         self.on_worker_lost: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------ membership
-    def add(self, worker_id: str, role: str, actor: Any) -> None:
+    def add(self, worker_id: str, role: WorkerRole, actor: Any) -> None:
+        role = as_role(role)
         self.members[worker_id] = PoolMember(worker_id, role, actor, WorkerView(worker_id, role))
-        if role == "decode" and self._monitor is not None:
+        if role is WorkerRole.DECODE and self._monitor is not None:
             self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._pump(worker_id))
 
     def remove(self, worker_id: str) -> None:
@@ -92,8 +96,8 @@ class WorkerPool:
         if worker_id in self.members:
             self.members[worker_id].view.draining = draining
 
-    def views(self, role: str) -> list[WorkerView]:
-        return [m.view for m in self.members.values() if m.role == role]
+    def views(self, role: WorkerRole) -> list[WorkerView]:
+        return [m.view for m in self.members.values() if m.role is as_role(role)]
 
     def actor(self, worker_id: str) -> Any:
         member = self.members.get(worker_id)
@@ -136,7 +140,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         self._monitor = loop.create_task(self._monitor_loop())
         for wid, m in self.members.items():
-            if m.role == "decode" and wid not in self._tasks:
+            if m.role is WorkerRole.DECODE and wid not in self._tasks:
                 self._tasks[wid] = loop.create_task(self._pump(wid))
 
     async def stop(self) -> None:
@@ -197,7 +201,7 @@ class WorkerPool:
         asked = time.monotonic()
         try:
             stats = await asyncio.wait_for(member.actor.stats.remote(), timeout=self.stats_timeout_s)
-            if member.role == "prefill":
+            if member.role is WorkerRole.PREFILL:
                 events = await asyncio.wait_for(member.actor.take_kv_events.remote(),
                                                 timeout=self.stats_timeout_s)
                 apply_kv_events(member.view, events)

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.engine.contract import WorkerStats
+from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.engine.errors import CompatibilityError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.capacity.planner import Planner, PlannerDecision, PoolState, ScaleAction, WorkerMetrics
@@ -32,7 +32,7 @@ from pdserve.router.worker_pool import WorkerPool, remote_error
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
+ROLES = (WorkerRole.PREFILL, WorkerRole.DECODE)
 # A replica not placed by then is waiting for resources: the autoscaler is asked for them.
 PLACEMENT_GRACE_S = 10.0
 # A replacement that failed to start is tried again after this, doubling up to the cap.
@@ -42,7 +42,7 @@ REPLACE_BACKOFF_MAX_S = 30.0
 
 @dataclass(slots=True)
 class PoolRecord:
-    role: str
+    role: WorkerRole
     handles: dict[str, WorkerHandle] = field(default_factory=dict)
     pending: int = 0
     draining: set[str] = field(default_factory=set)
@@ -85,14 +85,14 @@ class PoolManager:
         self._closed = False
 
     # --------------------------------------------------------------- replicas
-    def _new_id(self, role: str) -> str:
+    def _new_id(self, role: WorkerRole) -> str:
         return f"{role}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
 
     async def start_initial(self) -> None:
         counts = {r: self.config.pool(r).initial_replicas or 0 for r in ROLES}
         await asyncio.gather(*(self.add_replica(r) for r in ROLES for _ in range(counts[r])))
 
-    async def add_replica(self, role: str) -> str:
+    async def add_replica(self, role: WorkerRole) -> str:
         """Start one worker, wait until it answers, connect its NIXL agent to the other pool."""
         settings = self.config.pool(role)
         worker_id = self._new_id(role)
@@ -108,7 +108,7 @@ class PoolManager:
                                   transfer_timeout_s=self.config.router.disaggregation.kv_transfer_timeout_s,
                                   # a router silent as long as a dead worker is gone: its streams end here
                                   worker_kwargs={"owner_gone_after_s": self.config.router.worker_dead_after_s}
-                                  if role == "decode" else None)
+                                  if role == WorkerRole.DECODE else None)
             handle.metadata = await self._wait_placed(role, handle)
             if self._asked_autoscaler and not any(r.pending > 1 for r in self.pools.values()):
                 self._clear_resource_request()
@@ -135,16 +135,16 @@ class PoolManager:
         logger.info("%s worker %s is serving", role, worker_id)
         return worker_id
 
-    async def _connect(self, handle: WorkerHandle, role: str, timeout_s: float = 60.0) -> None:
+    async def _connect(self, handle: WorkerHandle, role: WorkerRole, timeout_s: float = 60.0) -> None:
         """Make the new worker's NIXL agent and every agent of the other pool know each other.
         A peer that cannot be added either way (it is dying: ``NIXL_ERR_BACKEND``, or it died
         meanwhile) is skipped, logged and counted: the new worker serves without it, and the
         router drops the dead peer on its own. Only an incompatible KV layout fails the start
         (a configuration error, the same for every peer)."""
-        other = "decode" if role == "prefill" else "prefill"
+        other = WorkerRole.DECODE if role == WorkerRole.PREFILL else WorkerRole.PREFILL
         peers = list(self.pools[other].handles.values())
-        if role == "decode":  # decode workers also move KV to each other (live migration on drain)
-            peers += [h for wid, h in self.pools["decode"].handles.items() if wid != handle.worker_id]
+        if role == WorkerRole.DECODE:  # decode workers also move KV to each other (live migration on drain)
+            peers += [h for wid, h in self.pools[WorkerRole.DECODE].handles.items() if wid != handle.worker_id]
         failed = await _each([handle.actor.add_peer.remote(p.metadata) for p in peers], timeout_s)
         for err in failed:
             if err is not None and isinstance(remote_error(err), CompatibilityError):
@@ -162,13 +162,13 @@ class PoolManager:
                 self._skip_peer(role, f"{peer.role} worker {peer.worker_id} could not add new {role} worker "
                                       f"{handle.worker_id} as a peer", err)
 
-    def _skip_peer(self, role: str, what: str, err: BaseException) -> None:
+    def _skip_peer(self, role: WorkerRole, what: str, err: BaseException) -> None:
         self.pools[role].peers_skipped += 1
         text = str(remote_error(err)).strip()
         logger.warning("%s (skipped; the start goes on without it): %s", what,
                        text.splitlines()[0] if text else type(err).__name__)
 
-    async def _wait_placed(self, role: str, handle: WorkerHandle) -> bytes:
+    async def _wait_placed(self, role: WorkerRole, handle: WorkerHandle) -> bytes:
         """Wait for a new worker to answer. If it is still not placed after ``PLACEMENT_GRACE_S``,
         ask Ray's autoscaler for the pending replicas' resources, so that on KubeRay the worker
         group that offers them (``prefill`` / ``decode``) grows by a pod."""
@@ -214,7 +214,7 @@ class PoolManager:
         self.pool.set_draining(worker_id)
         await self._registry("set_draining", worker_id, True)
         handle = record.handles[worker_id]
-        if role == "decode" and self.config.planner.drain_by_migration:
+        if role == WorkerRole.DECODE and self.config.planner.drain_by_migration:
             await self._migrate_away(worker_id, handle)
         deadline = time.monotonic() + timeout_s
         try:
@@ -235,8 +235,8 @@ class PoolManager:
     async def _migrate_away(self, worker_id: str, handle: WorkerHandle, timeout_s: float = 300.0) -> None:
         """Move a draining decode worker's running streams to the other decode workers (their KV
         over NIXL, decoding goes on there); what cannot move finishes here or is recomputed."""
-        targets = [(wid, h.actor) for wid, h in self.pools["decode"].handles.items()
-                   if wid != worker_id and wid not in self.pools["decode"].draining
+        targets = [(wid, h.actor) for wid, h in self.pools[WorkerRole.DECODE].handles.items()
+                   if wid != worker_id and wid not in self.pools[WorkerRole.DECODE].draining
                    and (m := self.pool.members.get(wid)) is not None and m.view.alive]
         if not targets:
             return
@@ -247,7 +247,7 @@ class PoolManager:
         except Exception as exc:  # the drain still waits for what is left
             logger.warning("drain of %s: moving its streams failed: %s", worker_id, exc)
 
-    def undrain(self, role: str, count: int) -> list[str]:
+    def undrain(self, role: WorkerRole, count: int) -> list[str]:
         """Put up to ``count`` draining workers of ``role`` back into service (the cheapest
         capacity there is: loaded, warm, connected); returns their ids."""
         record = self.pools[role]
@@ -286,12 +286,12 @@ class PoolManager:
             logger.warning("%s pool below its minimum after %s died: starting a replacement", role, worker_id)
             await self.replace(role)
 
-    def _missing(self, role: str) -> int:
+    def _missing(self, role: WorkerRole) -> int:
         """Replicas ``role``'s pool lacks to reach its minimum (starting ones count as there)."""
         record = self.pools[role]
         return self.config.pool(role).min_replicas - (len(record.handles) + record.pending)
 
-    async def replace(self, role: str) -> None:
+    async def replace(self, role: WorkerRole) -> None:
         """Start ``role`` workers until its pool is back at its minimum; a start that fails is
         tried again after ``replace_backoff_s[0]`` seconds, doubling up to ``[1]``, until one
         succeeds or the manager shuts down. Concurrent calls never overshoot: each starts one
@@ -400,7 +400,7 @@ class PoolManager:
                     continue
                 v = member.view
                 stats = v.stats
-                rate, busy = self._prefill_progress(wid, now_wall, stats) if role == "prefill" and stats else (None, None)
+                rate, busy = self._prefill_progress(wid, now_wall, stats) if role == WorkerRole.PREFILL and stats else (None, None)
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
@@ -408,7 +408,7 @@ class PoolManager:
                     started_at=v.started_at, queued_prompt_tokens=max(0, v.inflight_tokens - v.batch_inflight_tokens),
                     running_seqs=v.num_running, waiting_seqs=v.num_waiting,
                     kv_usage=min(1.0, max(0.0, kv_usage)), prefill_tokens_per_s=rate, prefill_busy=busy,
-                    itl_ms=_itl_ms(stats) if role == "decode" and stats else None,
+                    itl_ms=_itl_ms(stats) if role == WorkerRole.DECODE and stats else None,
                     draining=wid in record.draining,
                     batch_seqs=stats.num_batch_seqs if stats else 0,
                     batch_kv_usage=min(1.0, max(0.0, stats.batch_kv_usage)) if stats else 0.0))
@@ -441,14 +441,14 @@ class PoolManager:
                                                       auto=s.max_replicas is None)))
         return states
 
-    def replica_limit(self, role: str) -> int:
+    def replica_limit(self, role: WorkerRole) -> int:
         """The most replicas ``role``'s pool may run now: its ``max_replicas``, or when that is
         unset, the replicas it has (started or starting) plus those Ray has room for."""
         s = self.config.pool(role)
         return self._limit(role, replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources),
                            _ray_resources()[0])
 
-    def _limit(self, role: str, need: dict[str, float], available: dict[str, float]) -> int:
+    def _limit(self, role: WorkerRole, need: dict[str, float], available: dict[str, float]) -> int:
         s, record = self.config.pool(role), self.pools[role]
         if s.max_replicas is not None:
             return s.max_replicas
@@ -480,16 +480,16 @@ class PoolManager:
                     self._act(self.drain_and_remove(d.drain_worker_id), f"draining {d.drain_worker_id}")
             return decisions
 
-    def model_targets(self) -> dict[str, tuple[int, str]] | None:
+    def model_targets(self) -> dict[WorkerRole, tuple[int, str]] | None:
         """The capacity model's replicas per pool for the traffic of the last window (None: no model,
         or too few requests seen to say). Colocated: the model sizes the decode pool only."""
         if self.capacity is None or (seen := self.traffic.observed()) is None:
             return None
         t = self.capacity.targets(seen)
         logger.info("capacity model: %s", t.explanation)
-        out = {"decode": (t.decode, t.explanation)}
+        out = {WorkerRole.DECODE: (t.decode, t.explanation)}
         if not self.capacity.colocated:
-            out["prefill"] = (t.prefill, t.explanation)
+            out[WorkerRole.PREFILL] = (t.prefill, t.explanation)
         return out
 
     def _act(self, coro, what: str) -> None:
@@ -566,7 +566,7 @@ def auto_max_replicas(current: int, initial: int, min_replicas: int, room: int) 
     return max(current + room, initial, min_replicas)
 
 
-def headroom(role: str, need: dict[str, float], available: dict[str, float], total: dict[str, float],
+def headroom(role: WorkerRole, need: dict[str, float], available: dict[str, float], total: dict[str, float],
              *, auto: bool = False) -> str:
     """One more ``role`` replica's needs against Ray's free resources, in an operator's words:
     which resource is missing (and how much is free of how much), or that there is room and

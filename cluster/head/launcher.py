@@ -48,7 +48,7 @@ from pdserve.cluster.runtime.ray_env import LOOPBACK_IP, use_loopback, use_routa
 from pdserve.cluster.redact import split_password
 from pdserve.cluster.state.redis_server import EmbeddedRedis, connect
 from pdserve.cluster.state.redis_supervisor import RedisSupervisor
-from pdserve.engine.contract import ClusterStatus
+from pdserve.cluster.status import ClusterStatus
 from pdserve.engine.gc_freeze import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -558,16 +558,15 @@ def format_status(status: dict) -> str:
                      f"still served (see docs/operations.md, 'During a Redis outage')")
     elif cs.redis:
         r = cs.redis
-        dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.get("dropped", {}).items())) or "none"
-        lines.append(f"redis {'up' if r.get('up') else 'DOWN'}  outages {r.get('outages', 0)}  "
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(r.dropped.items())) or "none"
+        lines.append(f"redis {'up' if r.up else 'DOWN'}  outages {r.outages}  "
                      f"writes dropped: {dropped}")
     if cs.control_plane:
         cp = cs.control_plane
-        lines.append(f"control plane: elected (epoch {cp.get('epoch')}, led by "
-                     f"{next((r['router_id'] for r in cp.get('routers', []) if r.get('leader')), '?')})")
-        for r in cp.get("routers", []):
-            lines.append(f"router {r['router_id']:22s} {'leader' if r.get('leader') else 'follower':8s} "
-                         f"HTTP {r['http']}  gRPC {r['grpc']}  pid {r['pid']} on {r['host']}")
+        lines.append(f"control plane: elected (epoch {cp.epoch}, led by {cp.leader_id or '?'})")
+        for r in cp.routers:
+            lines.append(f"router {r.router_id:22s} {'leader' if r.leader else 'follower':8s} "
+                         f"HTTP {r.http}  gRPC {r.grpc}  pid {r.pid} on {r.host}")
     for role, p in cs.pools.items():
         lines.append(f"pool {role:8s} replicas {p.replicas}  pending {p.pending}  draining {len(p.draining)}"
                      + (f"  failed starts {p.start_failures}" if p.start_failures else "")
@@ -584,8 +583,8 @@ def format_status(status: dict) -> str:
             lines.append(f"{'':24s} matmuls {' '.join(f'{op}={b}' for op, b in w.kernels.items())}  "
                          f"attention {w.attention_backend or '?'}")
     for d in cs.planner:
-        lines.append(f"planner {d['pool']}: {d['action']} -> {d['target']} ({d['reason']})")
+        lines.append(f"planner {d.pool}: {d.action} -> {d.target} ({d.reason})")
     for b in cs.batches:
-        lines.append(f"batch {b['id']} {b['status']}: {b['completed'] + b['failed']}/{b['total']} done "
-                     f"({b['failed']} failed), {b['running']} running  {b['endpoint']}")
+        lines.append(f"batch {b.id} {b.status}: {b.completed + b.failed}/{b.total} done "
+                     f"({b.failed} failed), {b.running} running  {b.endpoint}")
     return "\n".join(lines)

@@ -33,6 +33,16 @@ def replica_config(config: ClusterConfig, index: int) -> ClusterConfig:
                            source="router.replicas")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartedRouter:
+    """A router actor that serves: its id, process and endpoints."""
+
+    router_id: str
+    pid: int
+    http_url: str
+    grpc_target: str
+
+
 class RouterActor:
     def __init__(self, config: ClusterConfig, redis_url: str, redis_password: str | None, namespace: str) -> None:
         self.config = config
@@ -41,7 +51,7 @@ class RouterActor:
         self.namespace = namespace
         self.service = None
 
-    async def start(self) -> dict:
+    async def start(self) -> StartedRouter:
         from pdserve.cluster.head.router_service import RouterService   # Ray, gRPC, the router: 2 s, not for `status`
 
         logging.getLogger("pdserve").setLevel(logging.INFO)
@@ -49,7 +59,7 @@ class RouterActor:
                                      redis_password=self.redis_password)
         endpoints = await self.service.start()
         freeze_startup_heap(f"router {self.service.router_id}")  # its own process: see engine/gc_freeze.py
-        return {"router_id": self.service.router_id, "pid": os.getpid(), **dataclasses.asdict(endpoints)}
+        return StartedRouter(self.service.router_id, os.getpid(), endpoints.http_url, endpoints.grpc_target)
 
     async def stop(self, drain_s: float = 30.0) -> None:
         """Stop taking requests, let this router's streams finish (bounded), leave the cluster."""
@@ -61,7 +71,7 @@ class RouterActor:
 
 def start_router_actors(config: ClusterConfig, redis_url: str, redis_password: str | None, *,
                         detached: bool, timeout_s: float = 600.0,
-                        name_prefix: str = ACTOR_PREFIX) -> list[tuple[object, dict]]:
+                        name_prefix: str = ACTOR_PREFIX) -> list[tuple[object, StartedRouter]]:
     """Start routers 1 .. replicas-1 and wait until each serves; returns (actor, endpoints) pairs."""
     import ray
 
@@ -77,7 +87,7 @@ def start_router_actors(config: ClusterConfig, redis_url: str, redis_password: s
         actors.append(actor)
     endpoints = ray.get([a.start.remote() for a in actors], timeout=timeout_s)
     for ep in endpoints:
-        logger.info("router %s serving: HTTP %s, gRPC %s", ep["router_id"], ep["http_url"], ep["grpc_target"])
+        logger.info("router %s serving: HTTP %s, gRPC %s", ep.router_id, ep.http_url, ep.grpc_target)
     return list(zip(actors, endpoints))
 
 

@@ -18,8 +18,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.contract import ClusterStatus, PoolStatus, RequestRecord, WorkerRole, WorkerStats, WorkerStatus
+from pdserve.engine.contract import RequestRecord, WorkerRole, WorkerStats, as_role
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.status import (BatchStatus, ClusterStatus, ControlPlaneStatus, PlannerDecisionStatus, PoolStatus,
+                                    RedisStatus, RouterStatus, WorkerStatus)
 from pdserve.cluster.state.ledger import KVLedger, Side
 from pdserve.cluster.control.leader import LeaderLease
 from pdserve.cluster.control.ledger_writer import LedgerWriter
@@ -42,7 +44,7 @@ from pdserve.router.http_server import start_http_server
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.serving import Serving, ServingLimits
 from pdserve.router.validation import DEFAULT_MAX_CHOICES
-from pdserve.router.worker_pool import WorkerPool
+from pdserve.router.worker_pool import PoolMember, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -483,7 +485,7 @@ class RouterService:
         if self.redis_client is None:
             return False
         try:
-            await self._redis("status", self.redis_client.set, key, json.dumps(self.status()), ttl_s)
+            await self._redis("status", self.redis_client.set, key, json.dumps(self.status().to_dict()), ttl_s)
         except RedisUnavailableError:
             return False
         return True
@@ -511,42 +513,47 @@ class RouterService:
             return 0.0
         return max(0.0, (count - prev[1]) / (now - prev[0]))
 
-    def status(self) -> dict:
-        """``pdserve status``'s document (``ClusterStatus.to_dict``), written to Redis by the head."""
-        workers = []
-        for wid, m in self.pool.members.items():
-            v = m.view
-            s = v.stats
-            decode = s is not None and s.role is WorkerRole.DECODE
-            workers.append(WorkerStatus(
-                worker_id=wid, role=str(m.role), alive=v.alive, draining=v.draining,
-                responsive=v.unresponsive_since is None, kv_usage=1.0 - v.num_free_blocks / max(1, v.num_blocks),
-                running=v.num_running, waiting=v.num_waiting, tokens_per_s=self._tokens_per_s(wid, s),
-                inflight_requests=v.inflight_requests,
-                **({} if s is None else dict(
-                    prefix_hit_rate=s.prefix_hit_rate, generated_tokens=s.generated_tokens, node_ip=s.node_ip,
-                    node_id=s.node_id, num_threads=s.num_threads, cores=s.cores, pinning=s.pinning, dtype=s.dtype,
-                    kernels=s.kernels, linear_backend=s.linear_backend, attention_backend=s.attention_backend,
-                    itl_ms=s.itl_ms if decode else None,
-                    expired_reservations=s.expired_reservations if decode else 0))))
+    def _worker_status(self, wid: str, m: PoolMember) -> WorkerStatus:
+        v, s = m.view, m.view.stats
+        pool = WorkerStatus(
+            worker_id=wid, role=m.role, alive=v.alive, draining=v.draining,
+            responsive=v.unresponsive_since is None, kv_usage=1.0 - v.num_free_blocks / max(1, v.num_blocks),
+            running=v.num_running, waiting=v.num_waiting, tokens_per_s=self._tokens_per_s(wid, s),
+            inflight_requests=v.inflight_requests)
+        if s is None:
+            return pool
+        decode = s.role is WorkerRole.DECODE
+        return dataclasses.replace(
+            pool, prefix_hit_rate=s.prefix_hit_rate, generated_tokens=s.generated_tokens, node_ip=s.node_ip,
+            node_id=s.node_id, num_threads=s.num_threads, cores=s.cores, pinning=s.pinning, dtype=s.dtype,
+            kernels=s.kernels, linear_backend=s.linear_backend, attention_backend=s.attention_backend,
+            itl_ms=s.itl_ms if decode else None, expired_reservations=s.expired_reservations if decode else 0)
+
+    def status(self) -> ClusterStatus:
+        """``pdserve status``'s record; the head writes its ``to_dict()`` into Redis."""
+        guard = self.redis_guard.stats() if self.redis_guard is not None else None
         return ClusterStatus(
             endpoints={"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},
-            pools={role: PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining), rec.peers_skipped,
-                                    rec.start_failures)
+            pools={as_role(role): PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining), rec.peers_skipped,
+                                             rec.start_failures)
                    for role, rec in self.manager.pools.items()},
-            workers=workers,
-            planner=[{"pool": str(d.role), "action": d.action.value, "target": d.target_replicas,
-                      "reason": d.reason, "at": self.manager.decided_at} for d in self.manager.decisions],
+            workers=[self._worker_status(wid, m) for wid, m in self.pool.members.items()],
+            planner=[PlannerDecisionStatus(pool=d.role, action=d.action.value, target=d.target_replicas,
+                                           reason=d.reason, at=self.manager.decided_at)
+                     for d in self.manager.decisions],
             migrations=self.backend.migrations if self.backend else 0,
             retries=self.backend.retries if self.backend else 0,
             uptime_s=time.time() - self.started_at,
-            redis=dataclasses.asdict(self.redis_guard.stats()) if self.redis_guard is not None else None,
-            batches=self.batch_runner.snapshot if self.batch_runner is not None else [],
+            redis=None if guard is None else RedisStatus(guard.up, guard.outages, guard.down_for_s, dict(guard.dropped)),
+            batches=([BatchStatus.from_dict(b) for b in self.batch_runner.snapshot]
+                     if self.batch_runner is not None else []),
             control_plane=self._control_plane_status(),
-        ).to_dict()
+        )
 
-    def _control_plane_status(self) -> dict | None:
+    def _control_plane_status(self) -> ControlPlaneStatus | None:
         if not self.elected:
             return None
-        return {"router_id": self.router_id, "leader": self.is_leader, "epoch": self.leader_since_epoch,
-                "takeovers": self.takeovers, "routers": [dataclasses.asdict(r) for r in self._routers]}
+        return ControlPlaneStatus(
+            router_id=self.router_id, leader=self.is_leader, epoch=self.leader_since_epoch, takeovers=self.takeovers,
+            routers=[RouterStatus(r.router_id, r.http, r.grpc, r.leader, r.pid, r.host, r.seen_at)
+                     for r in self._routers])

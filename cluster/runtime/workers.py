@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig, EngineMode
+from pdserve.engine.contract import WorkerRole, as_role
 
 logger = logging.getLogger(__name__)
 
-ACTOR_PREFIX = {"prefill": "pdserve-prefill-", "decode": "pdserve-decode-"}
+ACTOR_PREFIX = {WorkerRole.PREFILL: "pdserve-prefill-", WorkerRole.DECODE: "pdserve-decode-"}
 # Threads per actor for concurrent control calls (prefill/reserve/start/drain block a thread each).
 ACTOR_MAX_CONCURRENCY = 256
 
@@ -20,27 +21,30 @@ ACTOR_MAX_CONCURRENCY = 256
 @dataclass(slots=True)
 class WorkerHandle:
     worker_id: str
-    role: str
+    role: WorkerRole
     actor: Any                     # ray.actor.ActorHandle
     metadata: bytes = b""
     node_id: str = ""
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.role = as_role(self.role)
 
-def _actor_class(role: str) -> type:
+
+def _actor_class(role: WorkerRole) -> type:
     """The Ray actor class of a role's workers (``cluster/runtime/worker_actors.py``): the worker
     service with Ray metrics, pinned to cores of its own."""
     from pdserve.cluster.runtime.worker_actors import DecodeWorkerActor, PrefillWorkerActor
 
-    if role == "prefill":
+    if role is WorkerRole.PREFILL:
         return PrefillWorkerActor
-    if role == "decode":
+    if role is WorkerRole.DECODE:
         return DecodeWorkerActor
     raise ValueError(f"unknown worker role {role!r}")
 
 
 def actor_options(
-    role: str,
+    role: WorkerRole,
     worker_id: str,
     *,
     num_cpus: float = 1.0,
@@ -55,7 +59,7 @@ def actor_options(
     ``accelerator_type`` places it only on nodes that advertise that accelerator (Ray's
     ``accelerator_type:<name>`` resource, e.g. ``H100``)."""
     options: dict[str, Any] = {
-        "name": ACTOR_PREFIX[role] + worker_id,
+        "name": ACTOR_PREFIX[as_role(role)] + worker_id,
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
         "resources": dict(resources or {}),
@@ -77,7 +81,7 @@ def actor_options(
 
 
 def start_worker(
-    role: str,
+    role: WorkerRole,
     worker_id: str,
     engine_config: EngineConfig,
     *,
@@ -96,7 +100,8 @@ def start_worker(
     pinned to cores no other worker of its host uses while enough are free."""
     import ray
 
-    mode = EngineMode.PREFILL if role == "prefill" else EngineMode.DECODE
+    role = as_role(role)
+    mode = EngineMode.PREFILL if role is WorkerRole.PREFILL else EngineMode.DECODE
     if engine_config.mode is not mode:
         from dataclasses import replace
 

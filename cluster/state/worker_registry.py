@@ -18,17 +18,22 @@ from dataclasses import asdict, dataclass, replace
 
 import redis
 
+from pdserve.engine.contract import WorkerRole, as_role
+
 ROUTER_STALE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
     worker_id: str
-    role: str
+    role: WorkerRole
     actor_name: str
     ray_namespace: str | None
     draining: bool = False
     registered_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", as_role(self.role))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -36,7 +41,7 @@ class WorkerRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> WorkerRecord:
         d = json.loads(raw)
-        return cls(str(d["worker_id"]), str(d["role"]), str(d["actor_name"]), d.get("ray_namespace"),
+        return cls(str(d["worker_id"]), as_role(d["role"]), str(d["actor_name"]), d.get("ray_namespace"),
                    bool(d.get("draining", False)), float(d.get("registered_at", 0.0)))
 
 

@@ -180,7 +180,7 @@ def test_the_leader_dies_mid_traffic(tiny_model, ray_session, redis_server, redi
         assert {wid: m.role for wid, m in b.service.pool.members.items()} == before   # adopted, none restarted
         assert set(b.service.manager.pools["decode"].handles) | set(b.service.manager.pools["prefill"].handles) \
             == set(before)
-        status = b.service.status()["control_plane"]
+        status = b.service.status().to_dict()["control_plane"]
         assert status["leader"] and status["router_id"] == b.service.router_id
 
         # A's request: aborted by its decode worker, its ledger entry reaped by the new leader

@@ -43,13 +43,13 @@ def test_it_crosses_a_process_boundary_and_reads_as_plain_values() -> None:
 
 
 def test_the_status_document_reads_back_as_it_was_written() -> None:
-    from pdserve.engine.contract import ClusterStatus, PoolStatus, WorkerStatus
+    from pdserve.cluster.status import BatchStatus, ClusterStatus, PoolStatus, WorkerStatus
 
     w = WorkerStatus("decode-0", "decode", alive=True, draining=False, responsive=True, kv_usage=0.25, running=3,
                      waiting=1, tokens_per_s=41.5, inflight_requests=4, num_threads=2, cores=[0, 1],
                      kernels={"qkv": "gemv"}, itl_ms=12.5, expired_reservations=1)
     cs = ClusterStatus(pools={"decode": PoolStatus(1, 0, [])}, workers=[w], migrations=2,
-                       batches=[{"id": "batch_1", "status": "in_progress"}])
+                       batches=[BatchStatus("batch_1", "in_progress")])
     assert ClusterStatus.from_dict(cs.to_dict()) == cs
     newer = cs.to_dict()
     newer["workers"][0]["some_new_field"] = 1              # a newer head's document still reads
