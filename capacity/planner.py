@@ -100,8 +100,8 @@ class PoolState:
     """What the actuator knows about one pool right now.
 
     ``replicas``: replicas running and not draining (warming-up ones included); ``pending``:
-    replicas asked for but not yet running. ``last_scale_up_at``/``last_scale_down_at`` are
-    the actuator's own records (e.g. after a restart); the planner also remembers its own.
+    replicas asked for but not yet running. When the pool last scaled is not here: the
+    ``Planner`` that decided it owns that record (a cooldown starts with the decision).
     """
 
     role: WorkerRole
@@ -113,8 +113,6 @@ class PoolState:
     # What one more replica would need against what the cluster has free (the actuator's words,
     # e.g. "another replica needs 1 CPU; Ray has 0 of 2 CPUs free"): said when max_replicas binds.
     headroom: str = ""
-    last_scale_up_at: float | None = None
-    last_scale_down_at: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", as_role(self.role))
@@ -268,11 +266,13 @@ def decide_pool(
     model_target: tuple[int, str] | None = None,
 ) -> PlannerDecision:
     """Decide one pool (see the module docstring); ``metrics`` may hold other roles' workers.
-    ``model_target``: (replicas, arithmetic) from the capacity model, None without one."""
+    ``last_scale_up_at``/``last_scale_down_at``: when this pool last scaled (the ``Planner``'s
+    record, None: never). ``model_target``: (replicas, arithmetic) from the capacity model, None
+    without one."""
     workers = [w for w in metrics if w.role == pool.role]
     capacity = pool.capacity
-    last_up = _latest(last_scale_up_at, pool.last_scale_up_at)
-    last_any = _latest(last_up, last_scale_down_at, pool.last_scale_down_at)
+    last_up = last_scale_up_at
+    last_any = _latest(last_up, last_scale_down_at)
     draining = sorted(w.worker_id for w in workers if w.draining)
 
     def decision(action: ScaleAction, target: int, reason: str, util: float | None = None,
@@ -354,7 +354,8 @@ class Planner:
 
     ``decide`` is called every ``interval_s`` by the actuator in ``cluster/``; a scale-up or
     scale-down decision starts that pool's cooldown whether or not the actuator succeeds, so
-    a pool that cannot be placed is not asked for again on every tick.
+    a pool that cannot be placed is not asked for again on every tick. These times are the only
+    record of when a pool scaled: the actuator reads them here and keeps no copy.
     """
 
     policy: PlannerPolicy

@@ -46,8 +46,6 @@ class PoolRecord:
     handles: dict[str, WorkerHandle] = field(default_factory=dict)
     pending: int = 0
     draining: set[str] = field(default_factory=set)
-    last_scale_up_at: float | None = None
-    last_scale_down_at: float | None = None
     peers_skipped: int = 0    # peers a new worker of this pool could not add (or that could not add it)
     start_failures: int = 0   # worker starts that failed
 
@@ -67,6 +65,7 @@ class PoolManager:
         self.detached = detached
         self.ready_timeout_s = ready_timeout_s
         self.pools = {role: PoolRecord(role) for role in ROLES}
+        # decides each pool's size and owns when each pool last scaled (its cooldowns)
         self.planner = Planner(config.planner_policy())
         # with planner.profile: the capacity model and the traffic it reads (Serving feeds the window)
         self.traffic = TrafficWindow(config.planner.traffic_window_s)
@@ -435,8 +434,6 @@ class PoolManager:
             states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
                                     min_replicas=s.min_replicas, max_replicas=self._limit(role, need, available),
                                     max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
-                                    last_scale_up_at=record.last_scale_up_at,
-                                    last_scale_down_at=record.last_scale_down_at,
                                     headroom=headroom(role, need, available, total,
                                                       auto=s.max_replicas is None)))
         return states
@@ -467,7 +464,6 @@ class PoolManager:
             for d in decisions:
                 role = str(d.role)
                 if d.action is ScaleAction.SCALE_UP:
-                    self.pools[role].last_scale_up_at = now
                     n = max(0, d.target_replicas - d.current_replicas)
                     kept = self.undrain(role, n)
                     logger.info("planner: %s +%d (%s)%s", role, n, d.reason,
@@ -475,7 +471,6 @@ class PoolManager:
                     for _ in range(n - len(kept)):
                         self._act(self.add_replica(role), f"adding a {role} replica")
                 elif d.action is ScaleAction.SCALE_DOWN and d.drain_worker_id:
-                    self.pools[role].last_scale_down_at = now
                     logger.info("planner: %s drain %s (%s)", role, d.drain_worker_id, d.reason)
                     self._act(self.drain_and_remove(d.drain_worker_id), f"draining {d.drain_worker_id}")
             return decisions

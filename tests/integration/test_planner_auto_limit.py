@@ -15,6 +15,8 @@ import pytest
 
 from cluster_helpers import cluster_config, greedy, reference_engine, running_cluster, wait_until
 
+from pdserve.engine.contract import WorkerRole
+
 pytestmark = pytest.mark.timeout(360)
 
 GEN = 192
@@ -83,7 +85,7 @@ def test_decode_pool_grows_into_rays_room_and_holds_when_it_is_used(cluster) -> 
         if len(svc.manager.pools["decode"].handles) == 2 and held_at_two(svc):
             break
     wait_until(lambda: len(svc.manager.pools["decode"].handles) == 2, START_S, "a second decode replica")
-    assert svc.manager.pools["decode"].last_scale_up_at is not None
+    assert svc.manager.planner.last_scale_up_at.get(WorkerRole.DECODE) is not None
     (state,) = [p for p in svc.manager.pool_states() if str(p.role) == "decode"]
     left = h.free_before - 1 - 2 * c
     assert state.max_replicas == 2, state       # two running; what is left fits no third

@@ -20,6 +20,8 @@ import pytest
 
 from cluster_helpers import ClusterHarness, cluster_config, greedy, reference_engine, wait_until
 
+from pdserve.engine.contract import WorkerRole
+
 pytestmark = pytest.mark.timeout(420)
 
 GEN = 64
@@ -169,7 +171,7 @@ def test_decode_pool_scales_up_under_load_survives_a_kill_and_drains_when_quiet(
         # 8 streams on one replica of max_num_seqs 4: utilisation ~2 -> the planner adds one.
         wait_until(lambda: len(handles(h, "decode")) == 2, START_S, "a second decode replica")
         (second,) = handles(h, "decode") - {first}
-        assert svc.manager.pools["decode"].last_scale_up_at is not None
+        assert svc.manager.planner.last_scale_up_at.get(WorkerRole.DECODE) is not None
         wait_until(lambda: burst.served_by(second) > 0, 60.0, "the new replica serving requests")
 
         # Kill the replica streaming a long request (and whatever else it holds): its streams

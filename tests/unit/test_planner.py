@@ -200,9 +200,9 @@ def test_scale_down_waits_for_cooldown_after_any_action() -> None:
     assert again.action is ScaleAction.HOLD
 
 
-def test_actuator_recorded_times_count_as_cooldown() -> None:
-    pool = make_pool(WorkerRole.DECODE, 1, last_scale_up_at=NOW - 1)
-    decision = decide_pool(NOW, pool, [make_worker("d0", kv_usage=0.99)], POLICY)
+def test_a_recent_scale_up_passed_in_counts_as_cooldown() -> None:
+    pool = make_pool(WorkerRole.DECODE, 1)
+    decision = decide_pool(NOW, pool, [make_worker("d0", kv_usage=0.99)], POLICY, last_scale_up_at=NOW - 1)
     assert decision.action is ScaleAction.HOLD and "cooldown" in decision.reason
 
 
