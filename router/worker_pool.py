@@ -9,11 +9,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.contract import WorkerRole, WorkerStats, as_role
 from pdserve.router.policy import WorkerView, apply_kv_events
+from pdserve.router.stats_history import HORIZON_S, StatsHistory
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class PoolMember:
     role: WorkerRole
     actor: Any
     view: WorkerView
+    # its recent stats reports: every rate read from its counters (status, planner) comes from here
+    history: StatsHistory = field(default_factory=StatsHistory)
 
     def __post_init__(self) -> None:
         self.role = as_role(self.role)
@@ -58,11 +61,14 @@ class PoolMember:
 
 class WorkerPool:
     def __init__(self, stats_interval_s: float = 0.25, outputs_wait_s: float = 0.5, *,
-                 stats_timeout_s: float = 5.0, dead_after_s: float = 30.0, router_id: str | None = None) -> None:
+                 stats_timeout_s: float = 5.0, dead_after_s: float = 30.0, router_id: str | None = None,
+                 history_s: float = HORIZON_S) -> None:
         """A worker whose stats poll takes longer than ``stats_timeout_s`` gets no new work; one
         silent for ``dead_after_s`` is killed (a hung process must not keep its blocks, its
         streams or its Ray resources) and treated as lost. ``router_id`` names this router to the
-        decode workers, which keep one outbox per router (several routers share the workers)."""
+        decode workers, which keep one outbox per router (several routers share the workers).
+        ``history_s``: how far back each worker's stats reports are kept (the longest window a
+        rate is read over)."""
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.members: dict[str, PoolMember] = {}
         self._queues: dict[str, asyncio.Queue] = {}      # attempt id -> stream
@@ -75,12 +81,14 @@ class WorkerPool:
         self._outputs_wait_s = outputs_wait_s
         self.stats_timeout_s = stats_timeout_s
         self.dead_after_s = dead_after_s
+        self.history_s = history_s
         self.on_worker_lost: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------ membership
     def add(self, worker_id: str, role: WorkerRole, actor: Any) -> None:
         role = as_role(role)
-        self.members[worker_id] = PoolMember(worker_id, role, actor, WorkerView(worker_id, role))
+        self.members[worker_id] = PoolMember(worker_id, role, actor, WorkerView(worker_id, role),
+                                             StatsHistory(self.history_s))
         if role is WorkerRole.DECODE and self._monitor is not None:
             self._tasks[worker_id] = asyncio.get_running_loop().create_task(self._pump(worker_id))
 
@@ -250,6 +258,7 @@ class WorkerPool:
         v.started_at = stats.started_at
         v.prefill_tokens_per_s = measured_prefill_rate(v.prefill_tokens_per_s, v.stats, stats)
         v.stats = stats
+        member.history.add(time.time(), stats)
 
 
 def measured_prefill_rate(rate: float | None, prev: WorkerStats | None, stats: WorkerStats,

@@ -28,6 +28,7 @@ from pdserve.capacity.planner import Planner, PlannerDecision, PoolState, ScaleA
 from pdserve.capacity.traffic_window import CapacityModel, TrafficWindow
 from pdserve.cluster.state.worker_registry import WorkerRecord, WorkerRegistry
 from pdserve.cluster.runtime.workers import ACTOR_PREFIX, WorkerHandle, start_worker, stop_worker
+from pdserve.router.stats_history import StatsHistory
 from pdserve.router.worker_pool import WorkerPool, remote_error
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class PoolManager:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
         self._join_lock = asyncio.Lock()
-        self._prev_stats: dict[str, tuple[float, WorkerStats]] = {}
+        self._metrics_read_at: float | None = None   # the previous ``metrics`` call: its rates' window starts there
         self._asked_autoscaler = False
         self._actions: set[asyncio.Task] = set()  # scale-ups and drains the planner started
         self.replace_backoff_s = replace_backoff_s
@@ -392,6 +393,7 @@ class PoolManager:
     def metrics(self, now_wall: float) -> list[WorkerMetrics]:
         out = []
         warmup = self.config.planner.warmup_s
+        since, self._metrics_read_at = self._metrics_read_at, now_wall
         for role, record in self.pools.items():
             for wid in record.handles:
                 member = self.pool.members.get(wid)
@@ -399,7 +401,8 @@ class PoolManager:
                     continue
                 v = member.view
                 stats = v.stats
-                rate, busy = self._prefill_progress(wid, now_wall, stats) if role == WorkerRole.PREFILL and stats else (None, None)
+                rate, busy = (_prefill_progress(member.history, since) if role == WorkerRole.PREFILL and stats
+                              else (None, None))
                 kv_usage = 1.0 - v.num_free_blocks / max(1, v.num_blocks)
                 out.append(WorkerMetrics(
                     worker_id=wid, role=role, warm=(now_wall - v.started_at) >= warmup if v.started_at else False,
@@ -412,18 +415,6 @@ class PoolManager:
                     batch_seqs=stats.num_batch_seqs if stats else 0,
                     batch_kv_usage=min(1.0, max(0.0, stats.batch_kv_usage)) if stats else 0.0))
         return out
-
-    def _prefill_progress(self, wid: str, now: float, stats: WorkerStats) -> tuple[float | None, float | None]:
-        """Since this worker's previous report: (prompt tokens computed per second, or None if none
-        were; the share of the time its engine spent computing prompts)."""
-        prev = self._prev_stats.get(wid)
-        self._prev_stats[wid] = (now, stats)
-        if prev is None or now <= prev[0]:
-            return None, None
-        span = now - prev[0]
-        done = stats.prompt_tokens_computed - prev[1].prompt_tokens_computed
-        busy = min(1.0, max(0.0, (stats.prefill_compute_s - prev[1].prefill_compute_s) / span))
-        return (done / span if done > 0 else None), busy
 
     def pool_states(self) -> list[PoolState]:
         states = []
@@ -524,6 +515,18 @@ async def _each(refs: list, timeout_s: float) -> list[BaseException | None]:
         return None
 
     return list(await asyncio.gather(*(one(r) for r in refs)))
+
+
+def _prefill_progress(history: StatsHistory, since: float | None) -> tuple[float | None, float | None]:
+    """Between the worker's report as of ``since`` (the planner's previous pass) and its latest:
+    (prompt tokens computed per second, or None if none were; the share of the time its engine
+    spent computing prompts). (None, None) when there is nothing to compare yet."""
+    progress = history.since(since) if since is not None else None
+    if progress is None:
+        return None, None
+    done = progress.gained(lambda s: s.prompt_tokens_computed)
+    busy = min(1.0, max(0.0, progress.gained(lambda s: s.prefill_compute_s) / progress.span_s))
+    return (done / progress.span_s if done > 0 else None), busy
 
 
 def _itl_ms(stats: WorkerStats) -> float | None:

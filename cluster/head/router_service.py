@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.contract import RequestRecord, WorkerRole, WorkerStats, as_role
+from pdserve.engine.contract import RequestRecord, WorkerRole, as_role
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.status import (BatchStatus, ClusterStatus, ControlPlaneStatus, PlannerDecisionStatus, PoolStatus,
                                     RedisStatus, RouterStatus, WorkerStatus)
@@ -44,6 +44,7 @@ from pdserve.router.http_server import start_http_server
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.serving import Serving, ServingLimits
 from pdserve.router.validation import DEFAULT_MAX_CHOICES
+from pdserve.router.stats_history import HORIZON_S
 from pdserve.router.worker_pool import PoolMember, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ class RouterService:
         self.config = config
         self.redis_url = redis_url
         self.pool = WorkerPool(stats_timeout_s=config.router.worker_stats_timeout_s,
-                               dead_after_s=config.router.worker_dead_after_s)
+                               dead_after_s=config.router.worker_dead_after_s,
+                               # the planner reads rates over its interval: the reports reach back that far
+                               history_s=max(HORIZON_S, 2 * config.planner.interval_s))
         self.router_id = self.pool.router_id
         # An elected control plane: this router leads (planner, pool manager, reaper) only while
         # it holds the lease in Redis; its workers are detached and listed in the registry.
@@ -151,7 +154,7 @@ class RouterService:
         self._tasks: list[asyncio.Task] = []
         self.endpoints: Endpoints | None = None
         self.started_at = time.time()
-        self._rate_prev: dict[str, tuple[float, float]] = {}
+        self._status_read_at: float | None = None   # the previous ``status`` call: its rates' window starts there
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> Endpoints:
@@ -502,23 +505,18 @@ class RouterService:
                 logger.exception("planner pass failed")
 
     # ---------------------------------------------------------------- status
-    def _tokens_per_s(self, wid: str, stats: WorkerStats | None) -> float:
+    @staticmethod
+    def _tokens_per_s(m: PoolMember, since: float | None) -> float:
         """Tokens/s a worker produced since the previous status call (generated, or prompt for prefill)."""
-        if stats is None:
-            return 0.0
-        now, count = time.monotonic(), float(stats.produced_tokens)
-        prev = self._rate_prev.get(wid)
-        self._rate_prev[wid] = (now, count)
-        if prev is None or now <= prev[0]:
-            return 0.0
-        return max(0.0, (count - prev[1]) / (now - prev[0]))
+        progress = m.history.since(since) if since is not None else None
+        return 0.0 if progress is None else progress.per_s(lambda s: s.produced_tokens)
 
-    def _worker_status(self, wid: str, m: PoolMember) -> WorkerStatus:
+    def _worker_status(self, wid: str, m: PoolMember, since: float | None) -> WorkerStatus:
         v, s = m.view, m.view.stats
         pool = WorkerStatus(
             worker_id=wid, role=m.role, alive=v.alive, draining=v.draining,
             responsive=v.unresponsive_since is None, kv_usage=1.0 - v.num_free_blocks / max(1, v.num_blocks),
-            running=v.num_running, waiting=v.num_waiting, tokens_per_s=self._tokens_per_s(wid, s),
+            running=v.num_running, waiting=v.num_waiting, tokens_per_s=self._tokens_per_s(m, since),
             inflight_requests=v.inflight_requests)
         if s is None:
             return pool
@@ -532,12 +530,13 @@ class RouterService:
     def status(self) -> ClusterStatus:
         """``pdserve status``'s record; the head writes its ``to_dict()`` into Redis."""
         guard = self.redis_guard.stats() if self.redis_guard is not None else None
+        since, self._status_read_at = self._status_read_at, time.time()
         return ClusterStatus(
             endpoints={"http": self.endpoints.http_url, "grpc": self.endpoints.grpc_target} if self.endpoints else {},
             pools={as_role(role): PoolStatus(len(rec.handles), rec.pending, sorted(rec.draining), rec.peers_skipped,
                                              rec.start_failures)
                    for role, rec in self.manager.pools.items()},
-            workers=[self._worker_status(wid, m) for wid, m in self.pool.members.items()],
+            workers=[self._worker_status(wid, m, since) for wid, m in self.pool.members.items()],
             planner=[PlannerDecisionStatus(pool=d.role, action=d.action.value, target=d.target_replicas,
                                            reason=d.reason, at=self.manager.decided_at)
                      for d in self.manager.decisions],

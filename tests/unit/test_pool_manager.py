@@ -71,15 +71,20 @@ def test_a_prefill_workers_busy_share_is_its_prompt_compute_time_over_the_time_b
     m = manager(tmp_path)
     m.pools["prefill"].handles["prefill-a"] = object()  # type: ignore[assignment]
     m.pool.add("prefill-a", "prefill", actor=None)
-    view = m.pool.members["prefill-a"].view
-    view.started_at = 1.0
-    view.stats = stats(1000, 2.0)
+    member = m.pool.members["prefill-a"]
+    member.view.started_at = 1.0
+
+    def reported(at: float, report: WorkerStats) -> None:  # what the worker pool's stats poll records
+        member.view.stats = report
+        member.history.add(at, report)
+
+    reported(999.5, stats(1000, 2.0))
     first = {w.worker_id: w for w in m.metrics(now_wall=1000.0)}["prefill-a"]
     assert first.prefill_busy is None and first.prefill_tokens_per_s is None     # nothing to compare yet
-    view.stats = stats(10_000, 11.0)                                              # 9 s of prompts in 10 s
+    reported(1009.5, stats(10_000, 11.0))                                         # 9 s of prompts in 10 s
     later = {w.worker_id: w for w in m.metrics(now_wall=1010.0)}["prefill-a"]
     assert later.prefill_busy == pytest.approx(0.9) and later.prefill_tokens_per_s == pytest.approx(900.0)
-    view.stats = stats(10_000, 11.0)                                              # idle since
+    reported(1019.5, stats(10_000, 11.0))                                         # idle since
     idle = {w.worker_id: w for w in m.metrics(now_wall=1020.0)}["prefill-a"]
     assert idle.prefill_busy == 0.0 and idle.prefill_tokens_per_s is None
 
