@@ -116,8 +116,7 @@ class PoolManager:
             # the other (neither is in ``handles`` while it connects): a P/D pair that cannot move KV.
             async with self._join_lock:
                 await self._connect(handle, role)
-                record.handles[worker_id] = handle
-                self.pool.add(worker_id, role, handle.actor)
+                self._join(handle)
             if self.registry is not None:
                 await self._registry("add", WorkerRecord(worker_id, role, ACTOR_PREFIX[role] + worker_id,
                                                          self._ray_namespace()))
@@ -210,8 +209,7 @@ class PoolManager:
         if role is None:
             return False
         record = self.pools[role]
-        record.draining.add(worker_id)
-        self.pool.set_draining(worker_id)
+        self._set_draining(worker_id, True)
         await self._registry("set_draining", worker_id, True)
         handle = record.handles[worker_id]
         if role == WorkerRole.DECODE and self.config.planner.drain_by_migration:
@@ -253,8 +251,7 @@ class PoolManager:
         record = self.pools[role]
         kept = sorted(record.draining)[:max(0, count)]
         for worker_id in kept:
-            record.draining.discard(worker_id)
-            self.pool.set_draining(worker_id, False)
+            self._set_draining(worker_id, False)
             if self.registry is not None:
                 self._act(self._registry("set_draining", worker_id, False), f"undraining {worker_id} in Redis")
             logger.info("%s worker %s kept: load is back, its drain is cancelled", role, worker_id)
@@ -264,10 +261,7 @@ class PoolManager:
         role = self._role_of(worker_id)
         if role is None:
             return
-        record = self.pools[role]
-        handle = record.handles.pop(worker_id)
-        record.draining.discard(worker_id)
-        self.pool.remove(worker_id)
+        handle = self._leave(worker_id)
         await asyncio.to_thread(stop_worker, handle)
         await self._registry("remove", worker_id)
         logger.info("%s worker %s stopped", role, worker_id)
@@ -277,10 +271,7 @@ class PoolManager:
         role = self._role_of(worker_id)
         if role is None:
             return
-        record = self.pools[role]
-        record.handles.pop(worker_id, None)
-        record.draining.discard(worker_id)
-        self.pool.remove(worker_id)
+        self._leave(worker_id)
         await self._registry("remove", worker_id)
         if self._missing(role) > 0:
             logger.warning("%s pool below its minimum after %s died: starting a replacement", role, worker_id)
@@ -339,19 +330,11 @@ class PoolManager:
                 dead.append(rec.worker_id)
                 await self._registry("remove", rec.worker_id)
                 continue
-            record = self.pools[rec.role]
-            record.handles[rec.worker_id] = WorkerHandle(rec.worker_id, rec.role, actor, metadata)
-            (record.draining.add if rec.draining else record.draining.discard)(rec.worker_id)
-            member = self.pool.members.get(rec.worker_id)
-            if member is None or not member.view.alive:
-                self.pool.add(rec.worker_id, rec.role, actor)
-            self.pool.set_draining(rec.worker_id, rec.draining)
+            self._join(WorkerHandle(rec.worker_id, rec.role, actor, metadata), draining=rec.draining)
             adopted.append(rec.worker_id)
-        for role, record in self.pools.items():  # handles the registry no longer lists: stopped meanwhile
+        for record in self.pools.values():  # handles the registry no longer lists: stopped meanwhile
             for wid in [w for w in record.handles if w not in records]:
-                record.handles.pop(wid)
-                record.draining.discard(wid)
-                self.pool.remove(wid)
+                self._leave(wid)
         logger.info("control plane: adopted %d worker(s) %s; %d dead", len(adopted), adopted, len(dead))
         return adopted, dead
 
@@ -382,6 +365,38 @@ class PoolManager:
             await asyncio.to_thread(getattr(self.registry, op), *args)
         except Exception as exc:
             logger.warning("worker registry %s%s failed: %s", op, args[:1], exc)
+
+    # ------------------------------------------------------------- membership
+    # The pools' records are the one owner of which workers the cluster has and which of them
+    # drain. The router's ``WorkerPool`` mirrors them, changed only by these three methods; the
+    # registry (the other routers and the next leader read it) is written after them, through
+    # ``_registry``, by the method that made the change.
+    def _join(self, handle: WorkerHandle, draining: bool = False) -> None:
+        """A worker joins its pool (started here, or adopted as it is); the router routes to it."""
+        record = self.pools[handle.role]
+        record.handles[handle.worker_id] = handle
+        (record.draining.add if draining else record.draining.discard)(handle.worker_id)
+        member = self.pool.members.get(handle.worker_id)
+        if member is None or not member.view.alive:
+            self.pool.add(handle.worker_id, handle.role, handle.actor)
+        self.pool.set_draining(handle.worker_id, draining)
+
+    def _set_draining(self, worker_id: str, draining: bool) -> None:
+        """Start (or cancel) a worker's drain: the router sends it nothing new while it drains."""
+        record = self.pools[self._role_of(worker_id)]
+        (record.draining.add if draining else record.draining.discard)(worker_id)
+        self.pool.set_draining(worker_id, draining)
+
+    def _leave(self, worker_id: str) -> WorkerHandle | None:
+        """A worker leaves its pool (stopped, dead, or gone from the registry); its handle, None if unknown."""
+        role = self._role_of(worker_id)
+        if role is None:
+            return None
+        record = self.pools[role]
+        handle = record.handles.pop(worker_id)
+        record.draining.discard(worker_id)
+        self.pool.remove(worker_id)
+        return handle
 
     def _role_of(self, worker_id: str) -> str | None:
         for role, record in self.pools.items():
