@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-pytest_plugins = ["time_budget"]   # per-module time budgets (tests/time_budget.py)
+pytest_plugins = ["time_budget", "shared_clusters"]   # per-module time budgets; clusters shared by modules
 
 # Two cores are shared by the test process and every worker it starts: one torch thread each
 # avoids threads spinning against each other (it makes oversubscribed runs 10-30x faster).

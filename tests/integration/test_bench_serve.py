@@ -1,5 +1,5 @@
 """``pdserve bench serve``'s load generator against a real cluster: a ``RouterService`` (one
-prefill, one decode Ray actor, ledger in Redis) behind HTTP and gRPC on 127.0.0.1, the tiny model.
+prefill, two decode Ray actors, ledger in Redis: the session's ``router_cluster``) behind HTTP and gRPC on 127.0.0.1, the tiny model.
 
 What the benchmark reports must be what the server did: every request of every group completes,
 each with exactly ``output_len`` streamed tokens (``ignore_eos``), the client's token count agrees
@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cluster_helpers import ClusterHarness, cluster_config, running_cluster
+from cluster_helpers import ClusterHarness
 from pdserve.bench.serve_load import GroupSpec, Target, run_load
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, ray_session, redis_server):
-    with running_cluster(cluster_config(tiny_model), redis_server.url) as h:
-        yield h
+def cluster(router_cluster: ClusterHarness):
+    yield router_cluster
+    router_cluster.assert_nothing_held()
 
 
 def _vocab(cluster: ClusterHarness) -> int:

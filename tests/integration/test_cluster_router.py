@@ -1,5 +1,6 @@
 """The router over the disaggregated cluster, end to end: a real ``RouterService`` with one
-prefill and two decode Ray actors (NIXL between them, ledger in Redis), the unmodified
+prefill and two decode Ray actors (NIXL between them, ledger in Redis; the session's
+``router_cluster``, tests/shared_clusters.py), the unmodified
 ``openai`` client and gRPC stubs over 127.0.0.1, the tiny model.
 
 Every prompt goes through the prefill pool (``local_prefill_max_tokens: 0``) and prompts longer
@@ -25,11 +26,11 @@ from grpc_checks import assert_health_and_reflection
 from logprob_checks import rank_band, transformers_logprobs
 from cluster_helpers import (
     ClusterHarness,
-    cluster_config,
     greedy,
     reference_engine,
     wait_until,
 )
+from shared_clusters import ROUTER_GRAMMAR_BUDGET_S, ModuleView
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.backend import Finished, GenerateRequest
@@ -37,7 +38,7 @@ from pdserve.router.backend import Finished, GenerateRequest
 pytestmark = pytest.mark.timeout(300)
 
 GEN = 24
-GRAMMAR_BUDGET_S = 2.0   # structured.compile_timeout_s of this cluster
+GRAMMAR_BUDGET_S = ROUTER_GRAMMAR_BUDGET_S   # structured.compile_timeout_s of this cluster
 LONG = 1500  # max_tokens of requests that a test stops early
 # The lease tests: a generation that outlives several leases (3,000 tokens took ~3.6 s on a fast
 # 2-core host against the 3 s needed). A 0.5 s lease (renewed every 0.17 s) once expired in CI
@@ -53,32 +54,23 @@ STREAM_PROMPTS = [f"Stream {i} of the load test says" for i in range(4)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, ray_session, redis_server):
-    # A transfer timeout and a grammar budget other than the defaults, to see that they reach the workers.
-    config = cluster_config(tiny_model, **{"decode.min_replicas": 2,
-                                           "router.disaggregation.kv_transfer_timeout_s": 45.0,
-                                           "structured.compile_timeout_s": GRAMMAR_BUDGET_S})
-    h = ClusterHarness(config, redis_server.url)
-    h.begin_start()  # the workers load while the references are computed
-    try:
-        engine = reference_engine(config)
-        tok = engine.stopper.tokenizer
-        prompts = {p: list(tok(p)["input_ids"]) for p in [SHORT_PROMPT, LONG_PROMPT]}
-        chat = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-        prompts["chat"] = list(tok(chat, add_special_tokens=False)["input_ids"])
-        ref = {k: (ids, out) for (k, ids), out in
-               zip(prompts.items(), engine.generate(list(prompts.values()), greedy(GEN)))}
-        stream_ids = [list(tok(p)["input_ids"]) for p in STREAM_PROMPTS]
-        ref["streams"] = dict(zip(STREAM_PROMPTS, engine.generate(stream_ids, greedy(STREAM_TOKENS))))
-        assert len(ref[LONG_PROMPT][0]) > 2 * config.prefill.engine.max_num_batched_tokens  # chunked prefill
-        h.wait_started()
-        assert len(h.members("prefill")) == 1 and len(h.members("decode")) == 2
-        h.ref = ref
-        h.tokenizer = tok
-        yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
+def cluster(router_cluster: ClusterHarness):
+    """The session's router cluster (tests/shared_clusters.py), with this module's references."""
+    config = router_cluster.config
+    engine = reference_engine(config)
+    tok = engine.stopper.tokenizer
+    prompts = {p: list(tok(p)["input_ids"]) for p in [SHORT_PROMPT, LONG_PROMPT]}
+    chat = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    prompts["chat"] = list(tok(chat, add_special_tokens=False)["input_ids"])
+    ref = {k: (ids, out) for (k, ids), out in
+           zip(prompts.items(), engine.generate(list(prompts.values()), greedy(GEN)))}
+    stream_ids = [list(tok(p)["input_ids"]) for p in STREAM_PROMPTS]
+    ref["streams"] = dict(zip(STREAM_PROMPTS, engine.generate(stream_ids, greedy(STREAM_TOKENS))))
+    assert len(ref[LONG_PROMPT][0]) > 2 * config.prefill.engine.max_num_batched_tokens  # chunked prefill
+    del engine
+    assert len(router_cluster.members("prefill")) == 1 and len(router_cluster.members("decode")) == 2
+    yield ModuleView(router_cluster, ref=ref, tokenizer=tok)
+    router_cluster.assert_nothing_held()
 
 
 def test_workers_run_at_normal_cpu_priority(cluster: ClusterHarness) -> None:

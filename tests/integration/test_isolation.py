@@ -23,7 +23,8 @@ import aiohttp
 import factories
 import pytest
 import ray.cloudpickle
-from cluster_helpers import ClusterHarness, cluster_config, reference_engine
+from cluster_helpers import ClusterHarness, reference_engine
+from shared_clusters import ModuleView
 from factories import make_unchecked_params
 
 from pdserve.engine.config import EngineConfig
@@ -106,19 +107,14 @@ def test_poisoned_requests_fail_alone_in_the_engine(tiny_model) -> None:
 
 # ------------------------------------------------------------ whole cluster
 @pytest.fixture(scope="module")
-def cluster(tiny_model, ray_session, redis_server):
+def cluster(router_cluster: ClusterHarness):
+    """The session's router cluster (1 prefill, 2 decode workers; tests/shared_clusters.py)."""
     ray.cloudpickle.register_pickle_by_value(factories)  # the workers cannot import tests/
-    config = cluster_config(tiny_model, **{"decode.min_replicas": 2})
-    h = ClusterHarness(config, redis_server.url)
-    h.begin_start()
-    try:
-        engine = reference_engine(config)
-        h.ref = dict(zip(map(tuple, PROMPTS), engine.generate(PROMPTS, greedy())))
-        h.wait_started()
-        yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
+    engine = reference_engine(router_cluster.config)
+    ref = dict(zip(map(tuple, PROMPTS), engine.generate(PROMPTS, greedy())))
+    del engine
+    yield ModuleView(router_cluster, ref=ref)
+    router_cluster.assert_nothing_held()
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, float]:

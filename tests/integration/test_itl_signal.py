@@ -1,7 +1,7 @@
 """The planner sees the inter-token latency it says it sees: a real ``RouterService`` (one prefill,
-one decode Ray actor, ledger in Redis) on 127.0.0.1, the tiny model, real streams.
+two decode Ray actors, ledger in Redis: the session's ``router_cluster``) on 127.0.0.1, the tiny model, real streams.
 
-Under traffic the decode worker measures each stream's gaps between outputs and reports their
+Under traffic a decode worker measures each stream's gaps between outputs and reports their
 recent mean (``itl_ms`` in its stats), the pool manager hands it to the planner
 (``WorkerMetrics.itl_ms``), and the router's ``/metrics`` histogram
 ``pdserve_router_inter_token_latency_seconds`` gets one sample per gap between a stream's chunks.
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from cluster_helpers import ClusterHarness, cluster_config, running_cluster, wait_until
+from cluster_helpers import ClusterHarness, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,9 +23,9 @@ STREAMS, TOKENS = 4, 40
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, ray_session, redis_server):
-    with running_cluster(cluster_config(tiny_model), redis_server.url) as h:
-        yield h
+def cluster(router_cluster: ClusterHarness):
+    yield router_cluster
+    router_cluster.assert_nothing_held()
 
 
 def _itl_count(cluster: ClusterHarness) -> int:
@@ -43,11 +43,17 @@ def _stream(cluster: ClusterHarness, i: int) -> int:
 
 def test_itl_reaches_worker_stats_planner_and_router_metrics(cluster: ClusterHarness) -> None:
     before = _itl_count(cluster)
-    decode = cluster.members("decode")[0]
     with ThreadPoolExecutor(STREAMS) as pool:
         list(pool.map(lambda i: _stream(cluster, i), range(STREAMS)))
-    # the worker's own report (polled by the router every 0.25 s)
-    wait_until(lambda: decode.view.stats is not None and decode.view.stats.itl_ms is not None, 10.0, "the decode worker's itl_ms in its stats")
+    # the reports of the decode workers that ran the streams (polled by the router every 0.25 s)
+    measured = []
+
+    def reported() -> bool:
+        measured[:] = [m for m in cluster.members("decode") if m.view.stats is not None and m.view.stats.itl_ms is not None]
+        return bool(measured)
+
+    wait_until(reported, 10.0, "a decode worker's itl_ms in its stats")
+    decode = measured[0]
     itl = decode.view.stats.itl_ms
     assert 0.0 < itl < 5000.0, itl
     # slo.itl_ms also reaches the decode worker's engine, as its budget of prompt tokens per step

@@ -1,5 +1,5 @@
-"""Client request ids are opaque and scoped: a real ``RouterService`` (one prefill, one decode
-Ray actor, ledger in Redis) behind HTTP and gRPC on 127.0.0.1, the tiny model.
+"""Client request ids are opaque and scoped: a real ``RouterService`` (one prefill, two decode
+Ray actors, ledger in Redis: the session's ``router_cluster``) behind HTTP and gRPC on 127.0.0.1, the tiny model.
 
 Life cycle checked: a stream with id X runs -> a second request with id X is refused at once
 (gRPC ALREADY_EXISTS / HTTP 409, no internal name in the message) -> the first completes -> X is
@@ -15,7 +15,7 @@ import time
 
 import grpc
 import pytest
-from cluster_helpers import ClusterHarness, cluster_config
+from cluster_helpers import ClusterHarness
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -28,14 +28,9 @@ LONG = 1500  # max_tokens of a request that a test cancels
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, ray_session, redis_server):
-    h = ClusterHarness(cluster_config(tiny_model), redis_server.url)
-    h.start()
-    try:
-        yield h
-        h.assert_nothing_held()
-    finally:
-        h.stop()
+def cluster(router_cluster: ClusterHarness):
+    yield router_cluster
+    router_cluster.assert_nothing_held()
 
 
 def generate(stub, request_id: str, max_tokens: int, timeout: float = 120):
