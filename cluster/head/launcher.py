@@ -204,7 +204,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
                                               detached=not started_ray)
             router_actors = [actor for actor, _ in started]
             routers = [{"router_id": service.router_id, "http": endpoints.http_url, "grpc": endpoints.grpc_target}] + [
-                {"router_id": ep["router_id"], "http": ep["http_url"], "grpc": ep["grpc_target"]} for _, ep in started]
+                {"router_id": ep.router_id, "http": ep.http_url, "grpc": ep.grpc_target} for _, ep in started]
         else:
             routers = []
         state = {**identity.as_state(), "http": endpoints.http_url, "grpc": endpoints.grpc_target,
