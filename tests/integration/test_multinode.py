@@ -19,7 +19,9 @@ import pytest
 
 from scripts import procs
 
-pytestmark = pytest.mark.timeout(360)
+# `make test-all` only: test_netns_hosts places the pools by the same custom resources on three
+# Ray nodes (each in a network namespace, KV over TCP), and runs in `make test` where namespaces exist
+pytestmark = [pytest.mark.timeout(360), pytest.mark.long]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "multinode_run.py"
 RUN_TIMEOUT_S = 300

@@ -31,7 +31,7 @@ ALLOWED = {
     "pdserve": {"engine", "cluster", "bench", "capacity"},
 }
 # cluster's rooms (its subpackages; "base" is its top-level modules: config, config_io, redact,
-# pids) -> the rooms each may import
+# pids, status) -> the rooms each may import
 ROOMS = {
     "base": set(),
     "state": {"base"},                                          # Redis
@@ -48,7 +48,7 @@ LOCAL_IMPORTS_MAX = {
     "router": 5,     # the tokenizer (transformers) and the grammar engine, where a request needs them
     "capacity": 0,
     "cluster": 9,    # RouterService (Ray, gRPC, the router: ~2 s) in the 3 processes that serve, not in
-                     # `pdserve status`; the pinned worker classes (torch) in runtime/workers.py; torch
+                     # `pdserve status`; the worker actor classes (torch) in runtime/workers.py; torch
                      # behind `--model` (config_io) and demo's model loading (4)
     "bench": 121,    # `pdserve bench` registers every benchmark at start: each loads its tools when run
     "pdserve": 26,   # each subcommand loads its modules when it runs (pdserve/cli.py)
