@@ -62,14 +62,21 @@ def _json(args, method: str, path: str, body: dict | None = None) -> dict:
     return json.loads(_call(args, method, path, None if body is None else json.dumps(body).encode()))
 
 
+def multipart_body(boundary: str, filename: str, content: bytes) -> bytes:
+    """The upload's two fields, ``purpose=batch`` and the file. The file name is quoted as browsers
+    quote it (HTML's form encoding: ``"`` as ``%22``, CR and LF as ``%0D``/``%0A``), so no name can
+    end its header early or add a header line."""
+    quoted = filename.replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
+    return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{quoted}\"\r\n"
+            f"Content-Type: application/jsonl\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
+
+
 def _upload(args, path: Path) -> dict:
     # Two fixed fields built by hand: this CLI is synchronous on urllib (one short process, no
     # event loop), and aiohttp's FormData/MultipartWriter serialise only asynchronously.
     boundary = uuid.uuid4().hex
-    content = path.read_bytes()
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path.name}\"\r\n"
-            f"Content-Type: application/jsonl\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
+    body = multipart_body(boundary, path.name, path.read_bytes())
     return json.loads(_call(args, "POST", "/v1/files", body, f"multipart/form-data; boundary={boundary}"))
 
 
