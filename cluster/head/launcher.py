@@ -223,15 +223,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
             freeze_startup_heap("head")
         if ready is not None:
             ready.set()
-        while not stop.is_set():
-            if service.is_leader:  # the control plane's leader publishes the cluster's status
-                await service.publish_status(STATUS_KEY, ttl_s=10)  # skipped while Redis is down
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
-        logger.info("stopping: draining in-flight requests")
-        await service.drain()
+        await service.serve_until(stop, STATUS_KEY, "in-flight requests")
     finally:
         if router_actors:
             await asyncio.to_thread(stop_router_actors, router_actors)

@@ -22,8 +22,6 @@ from pdserve.cluster.runtime.ray_env import use_loopback, use_routable, use_toke
 from pdserve.engine.gc_freeze import freeze_startup_heap
 from pdserve.engine.errors import InvalidRequestError
 
-logger = logging.getLogger(__name__)
-
 
 def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
     """(Ray address, Redis URL, Redis password) this router joins: the config's, else the local
@@ -72,15 +70,7 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
         freeze_startup_heap(f"router {service.router_id}")  # streams every token: no full-collection pauses
         print(f"pdserve router {service.router_id} is up: HTTP {endpoints.http_url}  gRPC {endpoints.grpc_target}  "
               f"({'leads' if service.is_leader else 'follows'} the control plane)", flush=True)
-        while not stop.is_set():
-            if service.is_leader:
-                await service.publish_status(launcher.STATUS_KEY, ttl_s=10)
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
-        logger.info("stopping: draining this router's streams")
-        await service.drain()
+        await service.serve_until(stop, launcher.STATUS_KEY, "this router's streams")
     finally:
         await service.stop(stop_workers=False)
         ray.shutdown()

@@ -241,6 +241,19 @@ class RouterService:
         d = self.config.decode
         return max(self.manager.replica_limit("decode"), d.min_replicas, 1) * d.engine.max_num_seqs
 
+    async def serve_until(self, stop: asyncio.Event, status_key: str, what: str) -> None:
+        """Serve until ``stop`` is set, publishing the cluster's status under ``status_key`` every
+        second while this router leads the control plane (skipped while Redis is down); then drain."""
+        while not stop.is_set():
+            if self.is_leader:
+                await self.publish_status(status_key, ttl_s=10)
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        logger.info("stopping: draining %s", what)
+        await self.drain()
+
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Stop taking requests (the HTTP and gRPC servers close) and wait, at most ``timeout_s``,
         for the requests in flight to finish; ``stop`` follows."""
