@@ -51,6 +51,10 @@ from pdserve.router.worker_pool import DEADLINE, LOST, WorkerLost, WorkerPool, i
 
 logger = logging.getLogger(__name__)
 
+# An attempt that ended early leaves its ledger entry FAILED this long: the aborts to its workers
+# are fire-and-forget, so the reaper, once the lease passes, confirms both sides released.
+FAILED_LEASE_S = 5.0
+
 
 class _AttemptFailed(Exception):
     """This attempt failed in a way another attempt may fix (the worker is excluded next time)."""
@@ -94,19 +98,22 @@ class DisaggBackend:
                  ledger: LedgerSink | None = None, max_attempts: int = 4, lease_s: float = 120.0,
                  reserve_wait_s: float = 30.0, call_timeout_s: float = 120.0,
                  transfer_timeout_s: float = 30.0, prefill_wait_s: float = 60.0,
-                 max_predicted_ttft_s: float | None = None) -> None:
+                 max_predicted_ttft_s: float | None = None, failed_lease_s: float = FAILED_LEASE_S) -> None:
         """``transfer_timeout_s``: the workers' KV transfer timeout; a handoff's reservation is
         renewed every third of it while its prefill is queued or running. ``prefill_wait_s``: how
         long a prompt too long for local prefill waits for a prefill worker when none can take it
         (the policy's ``prefill_pool``) before it fails with 503. ``max_predicted_ttft_s``: a new
         request whose predicted time to first token on its prefill worker is over this is refused
-        at once (429 + Retry-After) instead of queueing; None: never."""
+        at once (429 + Retry-After) instead of queueing; None: never. ``failed_lease_s``: how long
+        the ledger entry of an attempt that ended early stays FAILED before the reaper confirms that
+        both sides released its blocks (the aborts are fire-and-forget) and frees it."""
         self._info = info
         self.pool = pool
         self.policy = policy or RoutingPolicy()
         self.ledger = ledger
         self.max_attempts = max_attempts
         self.lease_s = lease_s
+        self.failed_lease_s = failed_lease_s
         self.reserve_wait_s = reserve_wait_s
         self.call_timeout_s = call_timeout_s
         self.renew_interval_s = transfer_timeout_s / 3
@@ -450,7 +457,8 @@ class DisaggBackend:
                 # The reaper confirms both sides released (and moves it to FREED) once this short
                 # lease passes; the workers' own timeouts free the blocks even without Redis.
                 await asyncio.shield(  # a second cancel must not leave the entry live until its lease
-                    self._ledger(LedgerState.FAILED, attempt, error="attempt ended early", lease_s=5.0))
+                    self._ledger(LedgerState.FAILED, attempt, error="attempt ended early",
+                                 lease_s=self.failed_lease_s))
 
     async def _handoff(self, attempt: str, d: str, p: str, prompt: list[int], params,
                        req: GenerateRequest, acc: _RequestRecord, queue: asyncio.Queue) -> TokenDelta | None:
