@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers.decoders import DecodeStream
 
@@ -20,18 +21,77 @@ _CONTEXT = 6  # prompt tokens decoded before the first output token (a leading s
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer that ships with a local Hugging Face checkpoint (never from a hub)."""
-    from transformers import AutoTokenizer
-
+    """Load the tokenizer that ships with a local Hugging Face checkpoint (never from a hub): the
+    tokenizer ``AutoTokenizer`` loads, read without its detour through the model's config class
+    where ``generic_tokenizer_class`` can tell the class from the JSON files."""
     path = Path(model_dir)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(
             f"{path}: no tokenizer.json or tokenizer_config.json; the model directory must include its tokenizer"
         )
     try:
+        cls = generic_tokenizer_class(path)
+        if cls is not None:
+            return cls.from_pretrained(str(path), local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here; re-raise as one actionable error
         raise ModelLoadError(f"{path}: could not load the tokenizer: {exc}") from exc
+
+
+_GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")   # transformers 5's generic fast tokenizer, two names
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def generic_tokenizer_class(model_dir: str | Path) -> type | None:
+    """The class ``AutoTokenizer.from_pretrained(model_dir)`` picks, when it is transformers'
+    generic fast tokenizer (``TokenizersBackend``) and the JSON files show it; None otherwise
+    (then only ``AutoTokenizer`` knows).
+
+    transformers 5's ``AutoTokenizer`` builds the model's config to choose the class, and a
+    config class imports ``transformers.activations`` and with it ``torch.distributed.tensor``:
+    ~1.2 s of CPU in every worker's start, for a class that ``tokenizer_config.json`` and
+    ``config.json`` already give when all of these hold: ``tokenizer.json`` is there; neither
+    file names custom code (``auto_map``); the tokenizer's declared class is the generic one;
+    the model type is transformers' own, with a config class of its own; and transformers
+    registers no tokenizer for the model type, or the generic one
+    (``qwen2``'s ``Qwen2Tokenizer`` overrides a generic declaration, and ``mistral``'s
+    ``MistralCommonBackend`` may: both are left to ``AutoTokenizer``). transformers 4 reads no
+    config when the tokenizer declares its class: ``AutoTokenizer`` is cheap there and used.
+    ``tests/unit/test_tokenizer_load.py`` compares both paths' tokenizers on the test models and
+    ``tests/integration/test_real_model.py`` on SmolLM2."""
+    path = Path(model_dir)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    tok_config, config = _json_object(path / "tokenizer_config.json"), _json_object(path / "config.json")
+    if tok_config is None or config is None or "auto_map" in tok_config or "auto_map" in config:
+        return None
+    declared, model_type = tok_config.get("tokenizer_class"), config.get("model_type")
+    if declared not in _GENERIC or not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.models.auto import configuration_auto, tokenization_auto
+    except ImportError:
+        return None
+    backend = getattr(tokenization_auto, "TokenizersBackend", None)
+    registered_names = getattr(tokenization_auto, "TOKENIZER_MAPPING_NAMES", None)
+    config_classes = configuration_auto.CONFIG_MAPPING_NAMES
+    if backend is None or not isinstance(registered_names, dict) or model_type not in config_classes:
+        return None
+    if list(config_classes.values()).count(config_classes[model_type]) != 1:
+        return None   # a config class shared by model types ("gpt-sw3" is GPT2Config): its own type may differ
+    registered = registered_names.get(model_type)
+    if registered is not None and registered not in _GENERIC:
+        return None
+    return backend
 
 
 class IncrementalDetokenizer:

@@ -17,13 +17,14 @@ import threading
 import openai
 import pytest
 import torch
+from tokenizer_checks import assert_same_tokenizer
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.known_models import ensure_known_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_spec
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.tokenizer import generic_tokenizer_class, load_tokenizer
 from pdserve.router.http_server import start_http_server
 from pdserve.router.local_backend import LocalEngineBackend
 from pdserve.router.serving import Serving
@@ -103,6 +104,13 @@ def test_the_converted_model_is_smollm2(model_dir, tokenizer) -> None:
                          "<|im_start|>assistant\n")
     for s in ("café, naïve, 日本, 🙂", "  spaces\tand\nnewlines  "):
         assert tokenizer.decode(tokenizer(s)["input_ids"]) == s
+
+
+def test_tokenizer_is_read_directly_and_is_the_one_auto_tokenizer_loads(model_dir, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    assert generic_tokenizer_class(model_dir) is not None   # no config class built for it
+    assert_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
 
 
 def test_greedy_output_matches_transformers(model_dir, tokenizer, refs) -> None:
