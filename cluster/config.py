@@ -31,7 +31,7 @@ from pdserve.engine.config import (MAX_DEPTH_CEILING, EngineConfig, EngineMode, 
                                    StructuredLimits)
 from pdserve.engine.contract import WorkerRole, as_role
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.router.validation import DEFAULT_MAX_CHOICES
+from pdserve.router.limits import DEFAULT_MAX_CHOICES
 
 KIB = 1024
 MIB = 1024 * KIB

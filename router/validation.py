@@ -37,6 +37,7 @@ from pdserve.engine.config import MAX_DEPTH_CEILING, StructuredLimits
 from pdserve.engine.grammar_spec import MAX_SPEC_CHARS, StructuredOutput, choice_spec
 from pdserve.engine.structured import check_limits, json_depth
 from pdserve.router.errors import InvalidParameterError
+from pdserve.router.limits import DEFAULT_MAX_CHOICES
 
 # Beam search reads the top 2 * width logprobs of each step: a technical bound, below the share cap.
 BEAM_WIDTH_LIMIT = MAX_LOGPROBS // 2
@@ -90,9 +91,6 @@ _COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "
                             "guided_grammar"}
                            | {name for name, _, _ in _UNSUPPORTED})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo"}
-# The default of router.max_choices_per_request: the sequences (n or best_of times the prompts,
-# or beams) one request may run at once, each of which takes an admission slot.
-DEFAULT_MAX_CHOICES = 16
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "echo",
                                  "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
                                  "chat_template_kwargs"}

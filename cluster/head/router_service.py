@@ -43,7 +43,7 @@ from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import start_http_server
 from pdserve.router.policy import RoutingPolicy
 from pdserve.router.serving import Serving, ServingLimits
-from pdserve.router.validation import DEFAULT_MAX_CHOICES
+from pdserve.router.limits import DEFAULT_MAX_CHOICES
 from pdserve.router.stats_history import HORIZON_S
 from pdserve.router.worker_pool import PoolMember, WorkerPool
 
