@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from pdserve.cluster.config import ClusterConfig, ConfigError
 from pdserve.cluster.redact import redact_url
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.known_models import resolve_model
 
 ENV_API_KEYS = "PDSERVE_API_KEYS"
 ENV_REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
@@ -215,8 +216,6 @@ def load_cli_config(config_path: str | None, model: str | None, overrides: list[
     if config_path:
         config = load_config(config_path, check_paths=not offline)
     else:
-        from pdserve.engine.known_models import resolve_model   # imports torch: only for --model
-
         model_dir, served_name = resolve_model(model)
         config = config_from_model(model_dir)
         if served_name:  # a .gguf file or a known name: clients use that name, not the cache's

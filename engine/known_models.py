@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.gguf_convert import DTYPES, ensure_gguf_model
+
+# The dtypes a GGUF file is converted to (gguf_convert.DTYPES, which needs torch: checked here
+# without it, so that naming a model directory loads no torch)
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,13 @@ def known_model_file(name: str) -> Path:
 
 def ensure_known_model(name: str, dtype: str = "float32") -> Path:
     """The converted (cached) Hugging Face directory of a known model."""
-    return ensure_gguf_model(known_model_file(name), dtype)
+    return _converted(known_model_file(name), dtype)
+
+
+def _converted(path: Path, dtype: str) -> Path:
+    from pdserve.engine.gguf_convert import ensure_gguf_model   # torch, gguf: only to convert
+
+    return ensure_gguf_model(path, dtype)
 
 
 def resolve_model(arg: str | Path, dtype: str = "float32") -> tuple[Path, str | None]:
@@ -69,7 +78,7 @@ def resolve_model(arg: str | Path, dtype: str = "float32") -> tuple[Path, str | 
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        return ensure_gguf_model(path, dtype), path.stem
+        return _converted(path, dtype), path.stem
     if str(arg) in KNOWN_MODELS:
         return ensure_known_model(str(arg), dtype), str(arg)
     return path, None   # the loader reports what is wrong with it

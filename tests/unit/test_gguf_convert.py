@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import ModelLoadError, UnsupportedModelError
+from pdserve.engine import gguf_convert, known_models
 from pdserve.engine.gguf_convert import _hf_name, _unpermute, convert_gguf, ensure_gguf_model, gguf_cache_key
 from pdserve.engine.known_models import resolve_model
 from pdserve.engine.llm_engine import LLMEngine
@@ -185,6 +186,12 @@ def test_unsupported_files_get_typed_errors(tiny_model, tmp_path) -> None:
         from pdserve.engine.known_models import known_model_file
 
         known_model_file("no-such-model")
+
+
+def test_the_dtypes_known_models_checks_without_torch_are_the_converters() -> None:
+    assert sorted(known_models.DTYPES) == sorted(gguf_convert.DTYPES)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_model("any", dtype="float16")
 
 
 def test_resolve_model_passes_directories_and_converts_gguf(tiny_model, tmp_path, monkeypatch) -> None:

@@ -44,7 +44,9 @@ ROOMS = {
 # when its command or code path runs (torch, Ray, gRPC); none may dodge a cycle (the cycle test
 # below sees function-local imports too). Lower a figure when one goes; raise it only with a reason.
 LOCAL_IMPORTS_MAX = {
-    "engine": 9,     # the compiled kernels (engine.kernels builds them on first use), linear from kernel_select
+    "engine": 10,    # the compiled kernels (engine.kernels builds them on first use), linear from kernel_select;
+                     # the GGUF converter (torch) in known_models, only when a file is converted, so that
+                     # `pdserve config`/`up --model DIR` load no torch
     "router": 5,     # the tokenizer (transformers) and the grammar engine, where a request needs them
     "capacity": 0,
     "cluster": 9,    # RouterService (Ray, gRPC, the router: ~2 s) in the 3 processes that serve, not in
