@@ -7,17 +7,19 @@ refuses in one line instead of waiting until its timeout for actors Ray can neve
    (Ray's ``accelerator_type:<name>`` node resource) and its custom ``resources``. A pool is a GPU
    pool when it sets any of the first three; a CPU config is never checked, and Ray is not asked.
 2. ``offers_from_ray_nodes`` (``ray.nodes()``): what each running node has.
-   ``offers_from_node_groups`` (the autoscaler's node groups): what a node the autoscaler may
-   still start would have, so a KubeRay cluster whose GPU pods have not joined yet (or whose
-   groups scale from zero) is not refused. KubeRay's autoscaler knows a group's GPU count from the
-   pod's ``nvidia.com/gpu`` limit, but not its accelerator type, which only a running raylet
-   detects.
-3. ``gpu_refusal`` (``placement_refusal`` on the needs): the first reason a pool cannot be placed, as one line naming the setting, or
-   None: no GPU anywhere; no node of the requested accelerator type; a replica needs more GPUs
+   ``offers_from_node_groups`` (an autoscaler's node groups, where it reported them to the GCS):
+   what a node the autoscaler may still start would have, so a group that scales from zero is
+   not refused. KubeRay's autoscaler knows a group's GPU count from the pod's ``nvidia.com/gpu``
+   limit, but not its accelerator type, which only a running raylet detects.
+3. ``gpu_refusal`` (``placement_refusal`` on the needs): the first reason a pool cannot be
+   placed, as one line naming the setting, or None: no GPU anywhere; no node of the requested accelerator type; a replica needs more GPUs
    than any one node has; no node has the GPUs and the pool's custom resources together; the
    initial replicas need more GPUs than the running nodes have in all, with no autoscaler group
    to add any (a necessary condition only: it never refuses a config that could be placed).
-4. ``refuse_without_gpus``: the head's call; reads Ray and raises ``InvalidRequestError``.
+4. ``wait_for_gpus``: the head's call. Reads Ray and raises ``InvalidRequestError``; on a local
+   Ray at once, on a joined cluster after waiting up to ``JOIN_WAIT_S`` for nodes to join (the
+   head pod of a KubeRay cluster runs ``pdserve up`` before its GPU pods have joined, and the
+   autoscaler KubeRay runs with Ray 2.60 reports no node groups to the GCS).
 
 Totals are what is read, not what is free: replicas already running elsewhere on the cluster are
 the pool manager's concern (its replica limit counts free GPUs).
@@ -25,6 +27,8 @@ the pool manager's concern (its replica limit counts free GPUs).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,13 +36,18 @@ from typing import Any
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.contract import WorkerRole
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InvalidRequestError, PdserveError
 
 logger = logging.getLogger(__name__)
 
 GPU = "GPU"
 ACCELERATOR_PREFIX = "accelerator_type:"   # Ray's node resource for the type of its GPUs
 _EPS = 1e-9
+# How long the head waits for the GPU nodes of a cluster it joins to come up (KubeRay pods pull a
+# CUDA image and check the model before their raylet joins), asking Ray every POLL_S; within the
+# 600 s that `pdserve up` waits for a head it started in the background.
+JOIN_WAIT_S = 480.0
+POLL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,29 +186,55 @@ def _describe(offers: list[NodeOffer]) -> str:
     return f"{len(running)} node{'' if len(running) == 1 else 's'}, {cpus:g} CPUs"
 
 
-def refuse_without_gpus(config: ClusterConfig) -> None:
-    """Raise ``InvalidRequestError`` (one line) when the GPU pools of ``config`` cannot be placed
-    on the Ray cluster this process is connected to. Ray is only asked about a GPU config."""
+async def wait_for_gpus(config: ClusterConfig, stop: asyncio.Event | None = None, *, wait_s: float | None = None,
+                        poll_s: float = POLL_S) -> None:
+    """Return once the Ray cluster this process is connected to can hold the GPU pools of
+    ``config``; raise ``InvalidRequestError`` (one line) when it cannot. A local Ray (no
+    ``ray.address``) is what it is: refused at once. A joined cluster's GPU nodes may still be
+    starting (KubeRay starts the head's ``pdserve up`` before the GPU pods join, and a GPU pod
+    pulls a CUDA image and checks its model first): it is asked again every ``poll_s`` for up to
+    ``wait_s`` (default ``JOIN_WAIT_S``). ``stop`` set meanwhile ends the wait with a
+    ``PdserveError``. Ray is only asked about a GPU config."""
     if not gpu_needs(config):
         return
     import ray
 
-    offers = offers_from_ray_nodes(ray.nodes()) + offers_from_node_groups(_autoscaler_groups())
-    reason = gpu_refusal(config, offers)
-    if reason is not None:
-        logger.error("GPU pre-flight: %s", reason)
-        raise InvalidRequestError(reason)
-    logger.info("GPU pre-flight: the GPU pools fit on %s", ", ".join(
-        f"{o.name} ({o.gpus:g} GPU{'s' if o.gpus != 1 else ''}{', autoscaled' if o.autoscaled else ''})"
-        for o in offers if o.gpus > 0))
+    if wait_s is None:
+        wait_s = JOIN_WAIT_S if config.ray.address else 0.0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    said_at: float | None = None
+    while True:
+        offers = offers_from_ray_nodes(ray.nodes()) + offers_from_node_groups(_autoscaler_groups(ray))
+        reason = gpu_refusal(config, offers)
+        if reason is None:
+            logger.info("GPU pre-flight: the GPU pools fit on %s", ", ".join(
+                f"{o.name} ({o.gpus:g} GPU{'' if o.gpus == 1 else 's'}{', autoscaled' if o.autoscaled else ''})"
+                for o in offers if o.gpus > 0))
+            return
+        left = deadline - loop.time()
+        if left <= 0:
+            if wait_s > 0:
+                reason += f" (after waiting {wait_s:.0f} s for nodes to join)"
+            logger.error("GPU pre-flight: %s", reason)
+            raise InvalidRequestError(reason)
+        if said_at is None or loop.time() - said_at >= 30:
+            said_at = loop.time()
+            logger.warning("GPU pre-flight: %s; waiting up to %.0f s for nodes to join", reason, left)
+        if stop is None:
+            await asyncio.sleep(min(poll_s, left))
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(poll_s, left))
+            if stop.is_set():
+                raise PdserveError(f"stopped while waiting for nodes that can hold the GPU pools ({reason})")
 
 
-def _autoscaler_groups() -> list[dict[str, Any]]:
-    """The node groups the autoscaler (v2, as KubeRay runs it) reported to the GCS; [] with no
-    autoscaler (a local Ray, or nodes started by hand) or where Ray cannot say."""
+def _autoscaler_groups(ray: Any) -> list[dict[str, Any]]:
+    """The node groups an autoscaler reported to the GCS (Ray's autoscaler ``ClusterConfig``);
+    [] where none did (a local Ray, nodes started by hand, the autoscaler KubeRay runs with Ray
+    2.60) or Ray cannot say."""
     try:
-        import ray
-
         config = ray._private.state.state.get_cluster_config()
     except Exception as exc:  # a private API: without it the running nodes alone are checked
         logger.info("GPU pre-flight: the autoscaler's node groups could not be read (%s)", exc)

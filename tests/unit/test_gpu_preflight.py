@@ -4,6 +4,7 @@ Ray; the autoscaler's node groups count as GPUs to come."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -12,12 +13,13 @@ import pytest
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.head.gpu_preflight import (ReplicaNeed, gpu_needs, gpu_refusal, offers_from_node_groups,
-                                                offers_from_ray_nodes, placement_refusal, refuse_without_gpus)
-from pdserve.engine.errors import InvalidRequestError
+                                                offers_from_ray_nodes, placement_refusal, wait_for_gpus)
+from pdserve.engine.errors import InvalidRequestError, PdserveError
 
 
-def make_config(prefill: dict | None = None, decode: dict | None = None) -> ClusterConfig:
-    return ClusterConfig.model_validate({"model": {"path": "/m"}, "prefill": prefill or {}, "decode": decode or {}})
+def make_config(prefill: dict | None = None, decode: dict | None = None, ray: dict | None = None) -> ClusterConfig:
+    return ClusterConfig.model_validate({"model": {"path": "/m"}, "prefill": prefill or {}, "decode": decode or {},
+                                         "ray": ray or {}})
 
 
 def with_cuda(config: ClusterConfig, role: str) -> ClusterConfig:
@@ -50,7 +52,7 @@ def test_a_cpu_config_passes_and_ray_is_not_asked(monkeypatch) -> None:
     assert gpu_needs(config) == []
     assert refusal(config, ray_node("10.0.0.1", gpus=0)) is None
     monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` would raise: the check never gets there
-    refuse_without_gpus(config)
+    asyncio.run(wait_for_gpus(config))
 
 
 def test_no_gpu_on_the_cluster_is_refused_in_one_line() -> None:
@@ -142,19 +144,51 @@ class _Group(SimpleNamespace):
     """One ``NodeGroupConfig`` of the autoscaler's ``ClusterConfig`` (protobuf) as Ray returns it."""
 
 
-def fake_ray(nodes: list[dict[str, Any]], groups: list[_Group] | None) -> SimpleNamespace:
+def fake_ray(*views: list[dict[str, Any]], groups: list[_Group] | None = None) -> SimpleNamespace:
+    """A ``ray`` module whose ``nodes()`` returns each view in turn (the last one from then on)."""
     cluster_config = None if groups is None else SimpleNamespace(node_group_configs=groups)
     state = SimpleNamespace(state=SimpleNamespace(get_cluster_config=lambda: cluster_config))
-    return SimpleNamespace(nodes=lambda: nodes, _private=SimpleNamespace(state=state))
+    calls = iter(range(10**6))
+    return SimpleNamespace(nodes=lambda: views[min(next(calls), len(views) - 1)],
+                           _private=SimpleNamespace(state=state))
 
 
-def test_the_head_reads_ray_and_raises_one_line(monkeypatch) -> None:
-    config = make_config(ONE_GPU)
-    monkeypatch.setitem(sys.modules, "ray", fake_ray([ray_node("127.0.0.1", cpus=2)], None))
+CPU_ONLY = [ray_node("127.0.0.1", cpus=2)]
+WITH_GPU = CPU_ONLY + [ray_node("10.0.0.7", cpus=8, gpus=1)]
+
+
+def test_on_a_local_ray_the_head_is_refused_at_once_in_one_line(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(CPU_ONLY, WITH_GPU))   # a GPU node would join: too late
     with pytest.raises(InvalidRequestError) as info:
-        refuse_without_gpus(config)
-    assert str(info.value).startswith("prefill.num_gpus: a replica needs 1 GPU, but the Ray cluster has no GPU "
-                                      "(1 node, 2 CPUs)") and "\n" not in str(info.value)
+        asyncio.run(wait_for_gpus(make_config(ONE_GPU)))
+    assert str(info.value) == ("prefill.num_gpus: a replica needs 1 GPU, but the Ray cluster has no GPU (1 node, 2 CPUs) "
+                               "and no autoscaler group that adds one; run pdserve on a Ray cluster with GPUs, or set "
+                               "prefill.num_gpus: 0 and prefill.engine.device: cpu")
+
+
+def test_the_autoscalers_groups_are_read_from_ray(monkeypatch) -> None:
     group = _Group(name="gpu", resources={"CPU": 8, "GPU": 1}, max_count=2)
-    monkeypatch.setitem(sys.modules, "ray", fake_ray([ray_node("127.0.0.1", cpus=2)], [group]))
-    refuse_without_gpus(config)   # the autoscaler can add the GPU node
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(CPU_ONLY, groups=[group]))
+    asyncio.run(wait_for_gpus(make_config(ONE_GPU)))   # the autoscaler can add the GPU node
+
+
+def test_a_joined_cluster_is_given_time_for_its_gpu_nodes_to_join(monkeypatch) -> None:
+    """KubeRay: the head pod's `pdserve up --address auto` runs before the GPU pods have joined."""
+    joined = make_config(ONE_GPU, ray={"address": "auto"})
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(CPU_ONLY, CPU_ONLY, WITH_GPU))
+    asyncio.run(wait_for_gpus(joined, poll_s=0.01))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(CPU_ONLY))
+    with pytest.raises(InvalidRequestError, match=r"prefill.num_gpus: .* \(after waiting 0 s for nodes to join\)$"):
+        asyncio.run(wait_for_gpus(joined, wait_s=0.05, poll_s=0.01))
+
+
+def test_a_stop_ends_the_wait(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(CPU_ONLY))
+    stop = asyncio.Event()
+
+    async def stopped_meanwhile() -> None:
+        asyncio.get_running_loop().call_later(0.05, stop.set)
+        await wait_for_gpus(make_config(ONE_GPU, ray={"address": "auto"}), stop, poll_s=10.0)
+
+    with pytest.raises(PdserveError, match="^stopped while waiting for nodes that can hold the GPU pools"):
+        asyncio.run(stopped_meanwhile())
