@@ -29,9 +29,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` subcommand and every benchmark whose module imports."""
-    bench = subparsers.add_parser("bench", help="benchmarks whose figures go into docs/benchmarks.md")
+def add_args(bench: argparse.ArgumentParser) -> None:
+    """One sub-subcommand per benchmark whose module imports (only when ``pdserve bench`` runs)."""
     sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in _BENCHMARKS.items():
         try:
@@ -45,4 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or "").strip() or None,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_args(p)
-        p.set_defaults(func=mod.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The chosen benchmark's ``run(args)``."""
+    return importlib.import_module(_BENCHMARKS[args.bench][0]).run(args)

@@ -103,7 +103,7 @@ class _Router:
 
 
 def _status(client) -> dict:
-    from pdserve.cluster.head.launcher import STATUS_KEY
+    from pdserve.cluster.head.status_report import STATUS_KEY
 
     raw = client.get(STATUS_KEY)
     return json.loads(raw) if raw else {}

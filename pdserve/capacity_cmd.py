@@ -28,7 +28,7 @@ def _load(args: argparse.Namespace):
         raise InvalidRequestError(str(exc)) from None
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.capacity.simulate import ClusterShape, simulate
     from pdserve.engine.errors import InvalidRequestError
 
@@ -141,7 +141,7 @@ def format_sim(out: dict) -> str:
     return "\n".join(lines)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
     from pdserve.capacity.plan import format_plan, make_plan
 
     profile, traffic = _load(args)
@@ -158,30 +158,30 @@ def _add_link(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", help="which rate of --link-json (e.g. 10gbit; default: its only one)")
 
 
-def _profile(args: argparse.Namespace) -> int:
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.bench import profiler
+
+    p.description = (profiler.__doc__ or "").strip()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    profiler.add_args(p)
+
+
+def run_profile(args: argparse.Namespace) -> int:
     from pdserve.bench.profiler import run
 
     return run(args)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    from pdserve.bench import profiler as profile
-
-    p = sub.add_parser("profile", help="measure a model on this host into a capacity profile (JSON)",
-                       description=(profile.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    profile.add_args(p)
-    p.set_defaults(func=_profile)
-
-    p = sub.add_parser("plan", help="prefill and decode replicas for a traffic description, with the arithmetic")
+def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="a `pdserve profile` JSON")
     p.add_argument("--traffic", required=True, help="traffic YAML/JSON (see docs/capacity.md)")
     p.add_argument("--json", help="also write the plan here")
     p.add_argument("--no-simulate", action="store_true", help="the arithmetic only, not checked by simulation")
     p.add_argument("--max-workers", type=int, default=100_000, help="largest pool the search considers")
     _add_link(p)
-    p.set_defaults(func=_plan)
 
-    p = sub.add_parser("simulate", help="simulate a cluster shape under a traffic description")
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="a `pdserve profile` JSON")
     p.add_argument("--traffic", required=True, help="traffic YAML/JSON (see docs/capacity.md)")
     p.add_argument("--prefill", type=int, help="prefill workers (0 with --mode colocated; default 1)")
@@ -199,15 +199,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(as `pdserve up` on one machine): their steps slow each other by the profile's co-run factors")
     p.add_argument("--json", help="write the result here")
     _add_link(p)
-    p.set_defaults(func=_simulate)
 
 
-def main() -> int:   # pragma: no cover - `python -m pdserve.capacity_cmd`
-    parser = argparse.ArgumentParser(prog="pdserve")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args()
-    return int(args.func(args) or 0)
+if __name__ == "__main__":   # pragma: no cover - `python -m pdserve.capacity_cmd`: the `pdserve` command
+    from pdserve.cli import main
 
-
-if __name__ == "__main__":   # pragma: no cover
     sys.exit(main())

@@ -19,7 +19,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from pdserve.cluster.head import launcher
+from pdserve.cluster.head.state_files import read_state
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 
@@ -32,7 +32,7 @@ def _base(args: argparse.Namespace) -> str:
     if args.url:
         return args.url.rstrip("/")
 
-    st = launcher.read_state()
+    st = read_state()
     if not st or not st.get("http"):
         raise BatchCliError("pdserve is not up; start it (pdserve up) or pass --url")
     return st["http"].rstrip("/")
@@ -162,8 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("batch", help="the Batch API: submit a JSONL of requests, watch, fetch results, cancel")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["submit", "status", "results", "cancel", "list"])
     p.add_argument("target", nargs="?", help="submit: the JSONL file; status/results/cancel: the batch id")
     p.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
@@ -173,4 +172,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--errors", action="store_true", help="results: the error file instead of the output")
     p.add_argument("-o", "--output", help="results: write to this file instead of stdout")
     p.add_argument("--url", help="the router's HTTP address (default: the running cluster's)")
-    p.set_defaults(func=run)

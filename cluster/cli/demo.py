@@ -26,6 +26,7 @@ import time
 from pdserve.cluster.cli.records import format_phase_record
 from pdserve.cluster.config_io import apply_overrides, config_from_model
 from pdserve.cluster.head.launcher import serve
+from pdserve.engine.known_models import DEFAULT_REAL_MODEL, resolve_model
 
 SYSTEM = (
     "You are a helpful assistant for a bicycle shop. The shop is open from 9 am to 6 pm, Monday to "
@@ -146,8 +147,13 @@ async def _demo(model_dir: str, served_name: str | None, max_tokens: int, chat: 
     _say("done.")
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a model directory, .gguf file or known name (default: smollm2-135m-instruct)")
+    p.add_argument("--preset", help="serve a generated random-weight test model instead (tiny, small, ...)")
+    p.add_argument("--max-tokens", type=int, default=64)
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    from pdserve.engine.known_models import DEFAULT_REAL_MODEL, resolve_model
     from pdserve.engine.loader import load_model_spec
     from pdserve.engine.tokenizer import load_tokenizer
 

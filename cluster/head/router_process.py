@@ -16,7 +16,9 @@ import signal
 import sys
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.head import launcher
+from pdserve.cluster.head.launcher import event_loop_factory
+from pdserve.cluster.head.state_files import read_state, redis_password_file
+from pdserve.cluster.head.status_report import STATUS_KEY
 from pdserve.cluster.redact import split_password
 from pdserve.cluster.runtime.ray_env import use_loopback, use_routable, use_token_auth_if_available
 from pdserve.engine.gc_freeze import freeze_startup_heap
@@ -29,7 +31,7 @@ def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
     if not config.control_plane.election:
         raise InvalidRequestError("pdserve router joins a cluster whose control plane is elected: set "
                                   "control_plane.election: true (here and in the head's config)")
-    state = launcher.read_state() or {}
+    state = read_state() or {}
     ray_address = config.ray.address or state.get("ray_address")
     redis_url = config.redis.url or state.get("redis_url")
     if not ray_address or not redis_url:
@@ -39,7 +41,7 @@ def join_settings(config: ClusterConfig) -> tuple[str, str, str | None]:
     password = config.redis.password.get_secret_value() if config.redis.password else in_url
     if password is None and not config.redis.url:
         try:
-            password = launcher.redis_password_file().read_text(encoding="utf-8") or None
+            password = redis_password_file().read_text(encoding="utf-8") or None
         except FileNotFoundError:
             password = None
     return ray_address, redis_url, password
@@ -70,7 +72,7 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
         freeze_startup_heap(f"router {service.router_id}")  # streams every token: no full-collection pauses
         print(f"pdserve router {service.router_id} is up: HTTP {endpoints.http_url}  gRPC {endpoints.grpc_target}  "
               f"({'leads' if service.is_leader else 'follows'} the control plane)", flush=True)
-        await service.serve_until(stop, launcher.STATUS_KEY, "this router's streams")
+        await service.serve_until(stop, STATUS_KEY, "this router's streams")
     finally:
         await service.stop(stop_workers=False)
         ray.shutdown()
@@ -79,6 +81,6 @@ async def serve_router(config: ClusterConfig, stop: asyncio.Event | None = None)
 def run_router(config: ClusterConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with asyncio.Runner(loop_factory=launcher.event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve_router(config))
     return 0

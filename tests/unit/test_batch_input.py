@@ -151,12 +151,12 @@ def test_a_line_longer_than_one_request_is_named_without_being_copied_whole() ->
 
 
 def test_the_request_log_keeps_the_owner_and_the_operators_view_shows_it() -> None:
-    from pdserve.cluster.cli.commands import _format_request
+    from pdserve.cluster.cli.requests_cmd import format_request
     from pdserve.engine.contract import RequestRecord
 
     rec = RequestRecord("r1", "cid-1", "batch", "length", owner=owner_id("k"))
     logged = rec.to_dict()
     assert logged["owner"] == owner_id("k") and RequestRecord.from_dict(logged).owner == owner_id("k")
-    assert f"owner {owner_id('k')}" in _format_request(logged)
+    assert f"owner {owner_id('k')}" in format_request(logged)
     anonymous = RequestRecord("r2", "", "http", "stop").to_dict()
-    assert "owner" not in anonymous and "owner" not in _format_request(anonymous)
+    assert "owner" not in anonymous and "owner" not in format_request(anonymous)

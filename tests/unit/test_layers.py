@@ -50,10 +50,12 @@ LOCAL_IMPORTS_MAX = {
     "router": 5,     # the tokenizer (transformers) and the grammar engine, where a request needs them
     "capacity": 0,
     "cluster": 9,    # RouterService (Ray, gRPC, the router: ~2 s) in the 3 processes that serve, not in
-                     # `pdserve status`; the worker actor classes (torch) in runtime/workers.py; torch
-                     # behind `--model` (config_io) and demo's model loading (4)
+                     # `pdserve status`; the worker actor classes (torch) in runtime/workers.py; demo's model
+                     # loading (3); the head itself only for `up --foreground`, not before `up` spawns it;
+                     # the Redis client only when `status` has a head to ask
     "bench": 121,    # `pdserve bench` registers every benchmark at start: each loads its tools when run
-    "pdserve": 26,   # each subcommand loads its modules when it runs (pdserve/cli.py)
+    "pdserve": 21,   # a command's handler loads its engine or capacity modules when it runs (the command
+                     # table in pdserve/cli.py loads only the chosen command's modules)
 }
 RAY_ALLOWED = ("cluster/runtime/", "cluster/control/", "cluster/head/", "bench/",
                "router/worker_pool.py")   # the router's one seam to Ray actors

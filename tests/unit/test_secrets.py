@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.cluster.head import launcher
+from pdserve.cluster.head import state_files
 from pdserve.cluster.config import ConfigError
 from pdserve.cluster.config_io import apply_overrides, config_from_model, config_to_yaml
 from pdserve.cluster.redact import redact_url, split_password
@@ -101,20 +101,20 @@ def test_state_dir_is_0700_and_its_files_0600(tmp_path: Path, monkeypatch: pytes
     state.mkdir(mode=0o755)
     state.chmod(0o755)
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(state))
-    assert launcher.ensure_state_dir() == state and mode(state) == 0o700
-    launcher._write_private(launcher.state_file(), json.dumps({"pid": 1}))
-    launcher._write_redis_password(PASSWORD)
-    assert mode(launcher.state_file()) == 0o600 and mode(launcher.redis_password_file()) == 0o600
-    assert launcher.read_state() == {"pid": 1}
+    assert state_files.ensure_state_dir() == state and mode(state) == 0o700
+    state_files.write_private(state_files.state_file(), json.dumps({"pid": 1}))
+    state_files.write_redis_password(PASSWORD)
+    assert mode(state_files.state_file()) == 0o600 and mode(state_files.redis_password_file()) == 0o600
+    assert state_files.read_state() == {"pid": 1}
 
 
 def test_overrides_reach_the_head_through_a_0600_file_it_deletes(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path / "state"))
     overrides = [f'router.api_keys=["{KEY}"]', "router.http_port=0"]
-    handoff = launcher._give_overrides(overrides)
+    handoff = state_files.give_overrides(overrides)
     assert handoff.parent == tmp_path / "state" and mode(handoff) == 0o600 and mode(handoff.parent) == 0o700
-    assert launcher.take_overrides(handoff) == overrides
+    assert state_files.take_overrides(handoff) == overrides
     assert not handoff.exists()
 
 
