@@ -25,12 +25,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.attention_packed import PACKED_BACKENDS, PackedPlan, packed_kernel
+from pdserve.engine.kv_index import HOST, layer_kv_rows, pad_tables, write_rows
+
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "native", "sdpa")
+ATTENTION_BACKENDS = ("auto", "native", "sdpa", *PACKED_BACKENDS)
 FRESH_PROBE_TOKENS = 1024     # the fresh prefill chunk timed at start (choose_fresh_prefill)
 FRESH_PROBE_MIN_TOKENS = 64   # a cache too small for this keeps the kernel
 FRESH_SWITCH_MARGIN = 0.1     # SDPA must be this much faster to be chosen (timing is noisy)
+_NO_BLOCKS = torch.empty(0, dtype=torch.int64, device=HOST)
 
 
 @dataclass(slots=True)
@@ -53,21 +57,18 @@ class AttentionPlan:
         dev, bs = c.device, c.block_size
         tables = [t for _, t in decodes] + [t for _, _, t in prefills]
         lens = [1] * len(decodes) + [n for _, n, _ in prefills]
-        item_of_token = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lens))
-        blk = _pad_tables(tables)[item_of_token, positions // bs]
-        base = blk * c.rows_per_block + positions % bs
-        self.write = (base[None, :, None] + c.layer_kv_rows[:, None, :]).to(dev)   # [L, T, 2]
+        self.write = write_rows(tables, lens, positions, bs, c.rows_per_block, c.layer_kv_rows, dev)   # [L, T, 2]
         self.num_decodes = b = len(decodes)
         if decodes and c.native:
             nb = -(-max(p + 1 for p, _ in decodes) // bs)
-            self.decode_tables = _pad_tables([t[:nb] for _, t in decodes], nb).to(torch.int32)
-            self.decode_lens = torch.tensor([p + 1 for p, _ in decodes], dtype=torch.int32)
+            self.decode_tables = pad_tables([t[:nb] for _, t in decodes], nb).to(torch.int32)
+            self.decode_lens = torch.tensor([p + 1 for p, _ in decodes], dtype=torch.int32, device=HOST)
         elif decodes:
-            ctx = torch.tensor([p + 1 for p, _ in decodes])
+            ctx = torch.tensor([p + 1 for p, _ in decodes], device=HOST)
             nb = -(-int(ctx.max()) // bs)
-            self.decode_blocks = _pad_tables([t[:nb] for _, t in decodes], nb).view(-1).to(dev)
+            self.decode_blocks = pad_tables([t[:nb] for _, t in decodes], nb).view(-1).to(dev)
             self.decode_ctx = nb * bs
-            self.decode_mask = (torch.arange(nb * bs)[None, :] < ctx[:, None]).view(b, 1, 1, nb * bs).to(dev)
+            self.decode_mask = (torch.arange(nb * bs, device=HOST)[None, :] < ctx[:, None]).view(b, 1, 1, nb * bs).to(dev)
         self.prefills: list[_Prefill] = []
         self.native_prefill = bool(prefills) and c.native_prefill
         # Chunks with nothing cached before them go to SDPA where it measured faster at start
@@ -78,31 +79,31 @@ class AttentionPlan:
         if self.native_prefill:
             # one kernel call per layer for every chunk: it reads context and chunk in place
             nb = max(-(-(start + n) // bs) for start, n, _ in prefills)
-            self.prefill_tables = _pad_tables([t[:nb] for _, _, t in prefills], nb).to(torch.int32)
-            self.prefill_starts = torch.tensor([start for start, _, _ in prefills], dtype=torch.int32)
-            self.prefill_lens = torch.tensor([n for _, n, _ in prefills], dtype=torch.int32)
+            self.prefill_tables = pad_tables([t[:nb] for _, _, t in prefills], nb).to(torch.int32)
+            self.prefill_starts = torch.tensor([start for start, _, _ in prefills], dtype=torch.int32, device=HOST)
+            self.prefill_lens = torch.tensor([n for _, n, _ in prefills], dtype=torch.int32, device=HOST)
             offsets = [0]
             for _, n, _ in prefills[:-1]:
                 offsets.append(offsets[-1] + n)
-            self.prefill_rows = torch.tensor(offsets, dtype=torch.int32)
+            self.prefill_rows = torch.tensor(offsets, dtype=torch.int32, device=HOST)
             prefills = []
         row = b
         for start, n, table in prefills:
             nb = -(-(start + n) // bs)
             if per_chunk and start > 0:
-                native = (_pad_tables([table[:nb]], nb).to(torch.int32), torch.tensor([start], dtype=torch.int32),
-                          torch.tensor([n], dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-                self.prefills.append(_Prefill(row, n, torch.empty(0, dtype=torch.int64), 0, None, native))
+                native = (pad_tables([table[:nb]], nb).to(torch.int32), torch.tensor([start], dtype=torch.int32, device=HOST),
+                          torch.tensor([n], dtype=torch.int32, device=HOST), torch.zeros(1, dtype=torch.int32, device=HOST))
+                self.prefills.append(_Prefill(row, n, _NO_BLOCKS, 0, None, native))
                 row += n
                 continue
             if start == 0:
                 # Nothing cached before this chunk: attend to its own K/V, causal, with no gather.
-                self.prefills.append(_Prefill(row, n, torch.empty(0, dtype=torch.int64), 0, None))
+                self.prefills.append(_Prefill(row, n, _NO_BLOCKS, 0, None))
                 row += n
                 continue
-            ar = torch.arange(nb * bs)
-            qpos = torch.arange(start, start + n).repeat_interleave(c.group)
-            self.prefills.append(_Prefill(row, n, torch.tensor(table[:nb], dtype=torch.int64).to(dev), nb * bs,
+            ar = torch.arange(nb * bs, device=HOST)
+            qpos = torch.arange(start, start + n, device=HOST).repeat_interleave(c.group)
+            self.prefills.append(_Prefill(row, n, torch.tensor(table[:nb], dtype=torch.int64, device=dev), nb * bs,
                                           (ar[None, :] <= qpos[:, None]).to(dev)))
             row += n
 
@@ -167,7 +168,9 @@ class PagedKVCache:
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, backend: str = "auto") -> None:
         """``backend``: "native" (the C++ kernel reads the cache in place; an error if it is not
-        built), "sdpa" (gather blocks, torch SDPA) or "auto" (native when built and on CPU)."""
+        built), "sdpa" (gather blocks, torch SDPA), "flex" or "varlen" (each item's context gathered
+        without padding, then FlexAttention with a block mask or flash varlen attention:
+        ``engine/attention_packed.py``) or "auto" (native when built and on CPU, else sdpa)."""
         nb, layers, two, bs, kvh, d = kv_cache.shape
         if two != 2 or num_heads % kvh:
             raise ValueError(f"bad kv_cache shape {tuple(kv_cache.shape)} for {num_heads} heads")
@@ -181,11 +184,12 @@ class PagedKVCache:
         self.group = num_heads // kvh
         self.q_width = num_heads * d
         self.rows_per_block = layers * 2 * bs
-        self.layer_kv_rows = torch.arange(layers)[:, None] * (2 * bs) + torch.arange(2)[None, :] * bs   # [L, 2]
+        self.layer_kv_rows = layer_kv_rows(layers, bs)   # [L, 2]
         self.scale = 1.0 / math.sqrt(d)   # SDPA's default
         self.native = _use_native(backend, kv_cache)
         self.native_prefill = self.native and hasattr(torch.ops.pdserve, "paged_prefill_attention")
-        self.backend = "native" if self.native else "sdpa"
+        self.backend = backend if backend in PACKED_BACKENDS else "native" if self.native else "sdpa"
+        self._packed = packed_kernel(self.backend, kv_cache) if self.backend in PACKED_BACKENDS else None
         # What a prefill chunk with nothing cached before it uses: measured on this machine when
         # both are here (choose_fresh_prefill), else the only one there is.
         self.fresh_prefill = "native" if self.native_prefill else "sdpa"
@@ -201,14 +205,15 @@ class PagedKVCache:
         n = min(max_tokens, (self.num_blocks - 1) * self.block_size)
         if n < FRESH_PROBE_MIN_TOKENS:
             return self.fresh_prefill
-        gen = torch.Generator().manual_seed(0)
-        qkv = (torch.randn(n, self.q_width + 2 * self.kv_width, generator=gen) * 0.5).to(self.kv_cache.dtype)
+        gen = torch.Generator(device=HOST).manual_seed(0)
+        qkv = (torch.randn(n, self.q_width + 2 * self.kv_width, generator=gen, device=HOST) * 0.5).to(
+            device=self.device, dtype=self.kv_cache.dtype)
         table = list(range(-(-n // self.block_size)))
         outs, best = {}, {}
         try:
             for choice in ("native", "sdpa", "native", "sdpa"):
                 self.fresh_prefill = choice
-                plan = self.plan([], [(0, n, table)], torch.arange(n))
+                plan = self.plan([], [(0, n, table)], torch.arange(n, device=HOST))
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     outs[choice] = plan.attend(0, qkv)
@@ -227,20 +232,23 @@ class PagedKVCache:
         return self.fresh_prefill
 
     def plan(self, decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
-             positions: torch.Tensor) -> AttentionPlan:
+             positions: torch.Tensor) -> AttentionPlan | PackedPlan:
         """``decodes``: (position, block_table) per one-token item; ``prefills``: (start_pos,
         num_tokens, block_table); ``positions``: [T] position of every token, decodes first."""
         for _, table in decodes:
             _check_table(table, self.num_blocks)
         for _, _, table in prefills:
             _check_table(table, self.num_blocks)
+        if self._packed is not None:
+            return PackedPlan(self, decodes, prefills, positions, self._packed)
         return AttentionPlan(self, decodes, prefills, positions)
+
 
 
 def _use_native(backend: str, kv_cache: torch.Tensor) -> bool:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
-    if backend == "sdpa":
+    if backend in ("sdpa", *PACKED_BACKENDS):
         return False
     why = None
     if kv_cache.device.type != "cpu":
@@ -264,7 +272,3 @@ def _check_table(table: list[int], num_blocks: int) -> None:
     if table and (min(table) < 0 or max(table) >= num_blocks):
         raise ValueError(f"block table {table} has ids outside [0, {num_blocks})")
 
-
-def _pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
-    width = max(len(t) for t in tables) if width is None else width
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)

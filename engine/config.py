@@ -83,7 +83,9 @@ class EngineConfig:
     mode: EngineMode = EngineMode.COLOCATED
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
     linear_backend: str = "auto"      # "auto" (timed per machine, engine/kernel_select.py) | "dense" | "packed" | "gemv" | "mkl_packed"
-    attention_backend: str = "auto"   # "auto" | "native" (C++, reads the paged cache in place) | "sdpa"
+    # "auto" | "native" (C++, reads the paged cache in place; CPU) | "sdpa" (gather + torch SDPA) |
+    # "flex" | "varlen" (packed contexts: FlexAttention, flash varlen; engine/attention_packed.py)
+    attention_backend: str = "auto"
     seed: int = 0
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
     # engine then decodes text only for requests with stop strings.
@@ -119,7 +121,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.attention_backend not in ("auto", "native", "sdpa"):
-            raise ValueError(f"attention_backend must be 'auto', 'native' or 'sdpa', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "native", "sdpa", "flex", "varlen"):
+            raise ValueError("attention_backend must be 'auto', 'native', 'sdpa', 'flex' or 'varlen', "
+                             f"got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionPlan
+from pdserve.engine.attention_packed import PackedPlan
+from pdserve.engine.kv_index import HOST
 from pdserve.engine.linear import make_layer_linear
 from pdserve.engine.loader import LayerWeights, ModelSpec
 
@@ -21,7 +23,7 @@ from pdserve.engine.loader import LayerWeights, ModelSpec
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32), with the checkpoint's scaling applied."""
     d = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=HOST).float() / d))
     scaling = spec.rope_scaling
     if scaling is None:
         return inv
@@ -57,7 +59,7 @@ class RotaryTables:
         self._build(min(initial, max_positions))
 
     def _build(self, n: int) -> None:
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = torch.arange(n, dtype=torch.float32, device=HOST)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         sin = emb.sin()
         sin[:, : self.half].neg_()
@@ -125,7 +127,7 @@ class DecoderLayer:
         self.qk_heads = spec.num_heads + spec.num_kv_heads
         self.head_dim = spec.head_dim
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan | PackedPlan,
                 index: int, rows: int | None = None) -> torch.Tensor:
         """``x`` is the residual stream ``[M, hidden]``; ``plan.attend`` writes this layer's K/V
         into the paged cache and attends. Returns the new residual stream. ``rows``: the step's

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import PagedKVCache
 from pdserve.engine.layers import DecoderLayer, RotaryTables, rms_norm
+from pdserve.engine.cuda_numerics import disable_tf32
 from pdserve.engine.dtype_probe import resolve_dtype
 from pdserve.engine.kernel_select import KernelCache, KernelChoice, forced, select_kernels
+from pdserve.engine.kv_index import HOST
 from pdserve.engine.linear import LmHead, gemv_available, mkl_packed_available, packed_available
 from pdserve.engine.loader import ModelSpec, load_model_spec, load_weights
 from pdserve.engine.row_buckets import buckets_up_to, row_bucket
@@ -67,7 +69,10 @@ class ModelRunner:
         kernel library and a torch with MKL) or "auto" (each matmul call timed on this machine's real shapes at
         start, the fastest that agrees with float32 kept and cached: ``engine/kernel_select.py``).
         ``attention_backend``: "native" (C++ decode attention reading the paged cache in place),
-        "sdpa" (gather + torch SDPA) or "auto" (native when its library is built, on CPU)."""
+        "sdpa" (gather + torch SDPA), "flex" or "varlen" (packed contexts, ``engine/attention_packed.py``)
+        or "auto" (native when its library is built, on CPU; else sdpa).
+        ``device``: every tensor the runner makes is placed on it (or on the host, for a step's
+        plan), never on torch's default device."""
         if linear_backend not in ("auto", "dense", "packed", "gemv", "mkl_packed"):
             raise ValueError(f"linear_backend must be 'auto', 'dense', 'packed', 'gemv' or 'mkl_packed', got {linear_backend!r}")
         if dtype not in (*_DTYPES, "auto"):
@@ -77,9 +82,11 @@ class ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.num_threads = torch.get_num_threads()
-        self.dtype_name = dtype = resolve_dtype(dtype, device)
+        self.dtype_name = dtype = resolve_dtype(dtype, torch.device(device).type)
         self.spec = spec = load_model_spec(model_dir)
         self.dtype, self.device, self.block_size = _DTYPES[dtype], torch.device(device), block_size
+        if self.device.type == "cuda":
+            disable_tf32()   # dtype float32 means IEEE float32 (engine/cuda_numerics.py)
         elem = torch.finfo(self.dtype).bits // 8
         self.kv_block_bytes = spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
         if num_blocks is None:
@@ -151,7 +158,7 @@ class ModelRunner:
         far are those the step would write again)."""
         scores: dict[int, tuple[list, list]] = {}
         if not items:
-            return torch.empty(0, self.spec.vocab_size), scores
+            return torch.empty(0, self.spec.vocab_size, device=self.device), scores
         order, max_pos = self._check_and_order(items)
         decodes, prefills, token_ids, positions = [], [], [], []
         last_row: dict[int, int] = {}
@@ -165,11 +172,11 @@ class ModelRunner:
                 decodes.append((it.start_pos, it.block_table))
             else:
                 prefills.append((it.start_pos, n, it.block_table))
-        pos = torch.tensor(positions, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64, device=HOST)
         plan = self._cache.plan(decodes, prefills, pos)
         pos_dev = pos.to(self.device)
         cos, sin = self.rope.lookup(pos_dev, max_pos)
-        ids = torch.tensor(token_ids, dtype=torch.int64)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=HOST)
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.spec.vocab_size}), "
                              f"got {int(ids.min())}..{int(ids.max())}")
@@ -187,7 +194,7 @@ class ModelRunner:
                 scores[i] = self._score(x[first:first + len(it.score_targets)], it.score_targets, it.score_top)
         rows = [last_row[i] for i, it in enumerate(items) if it.sample]
         if not rows:
-            return torch.empty(0, self.spec.vocab_size), scores
+            return torch.empty(0, self.spec.vocab_size, device=self.device), scores
         if rows != list(range(x.shape[0])):
             x = x[torch.tensor(rows, device=self.device)]
         x = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
@@ -211,7 +218,7 @@ class ModelRunner:
         for lo in range(0, len(targets), self._SCORE_ROWS):
             h = rms_norm(hidden[lo:lo + self._SCORE_ROWS], self.weights.norm, self.spec.rms_norm_eps)
             lp = torch.log_softmax(self._head(h).float(), dim=-1).cpu()
-            tgt = torch.tensor(targets[lo:lo + self._SCORE_ROWS], dtype=torch.int64)
+            tgt = torch.tensor(targets[lo:lo + self._SCORE_ROWS], dtype=torch.int64, device=HOST)
             picked = lp.gather(1, tgt[:, None])[:, 0]
             ranks += ((lp > picked[:, None]).sum(dim=1) + 1).tolist()
             tops = lp.topk(top, dim=-1) if top else None
@@ -246,7 +253,7 @@ class ModelRunner:
         self.execute([ForwardItem([0], len(prefill[i % n_seqs].token_ids), tables[i % n_seqs], True)
                       for i in range(max_seqs)])
         used = sorted({b for table in tables for b in table})
-        self.kv_cache[torch.tensor(used)] = 0
+        self.kv_cache[torch.tensor(used, device=self.device)] = 0
         built = self._build_row_buckets(max_batched_tokens, max_seqs) if self.bucket_rows else 0
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: a %d-token prefill step and a %d-sequence decode step%s in %.2f s",

@@ -56,10 +56,11 @@ def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
     p = seq.params
     vocab = row.numel()
     # the output so far, an earlier attempt's included (it is in this attempt's prompt as well)
-    out = torch.tensor([*p.prior_output, *seq.output_token_ids], dtype=torch.int64)
+    dev = row.device
+    out = torch.tensor([*p.prior_output, *seq.output_token_ids], dtype=torch.int64, device=dev)
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.int64),
-                                       torch.tensor(seq.output_token_ids, dtype=torch.int64)]))
+        seen = torch.unique(torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=dev),
+                                       torch.tensor(seq.output_token_ids, dtype=torch.int64, device=dev)]))
         seen = seen[seen < vocab]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -67,23 +68,23 @@ def _adjust_row(row: torch.Tensor, seq: Sequence) -> None:
         counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if p.allowed_token_ids:
-        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.int64)
+        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.int64, device=dev)
         allowed = torch.full_like(row, float("-inf"))
         allowed[keep] = row[keep]
         row.copy_(allowed)
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64)
-        row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64, device=dev)
+        row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=dev)
     if p.bad_words:
         past = out.tolist()
         banned = [w[-1] for w in p.bad_words
                   if w[-1] < vocab and len(w) - 1 <= len(past) and (len(w) == 1 or past[len(past) - len(w) + 1:] == list(w[:-1]))]
         if banned:
-            row[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+            row[torch.tensor(banned, dtype=torch.int64, device=dev)] = float("-inf")
     if len(seq.output_token_ids) < p.min_tokens:
         ends = [t for t in (*(() if p.ignore_eos else seq.eos_token_ids), *p.stop_token_ids) if 0 <= t < vocab]
         if ends:
-            row[torch.tensor(ends, dtype=torch.int64)] = float("-inf")
+            row[torch.tensor(ends, dtype=torch.int64, device=dev)] = float("-inf")
 
 
 def _describe(seq: Sequence) -> str:

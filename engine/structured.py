@@ -311,11 +311,11 @@ def _control_byte_tokens(decoded_vocab: list[bytes], vocab_size: int, keep: set[
     import torch
 
     words = (vocab_size + 31) // 32
-    allowed = torch.ones(words * 32, dtype=torch.bool)
+    allowed = torch.ones(words * 32, dtype=torch.bool, device="cpu")
     for i, raw in enumerate(decoded_vocab[:vocab_size]):
         if i not in keep and raw and any(b < 0x20 for b in raw):
             allowed[i] = False
-    bits = allowed.view(words, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    bits = allowed.view(words, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64, device="cpu")
     packed = bits.sum(dim=1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
