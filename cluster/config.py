@@ -151,10 +151,12 @@ class EngineSettings(_Settings):
         "mkl_packed (float32 weights packed once by MKL) on the model's shapes at start and keeps the "
         "fastest that agrees with float32, per call, cached per CPU/dtype/shape in "
         "~/.cache/pdserve/kernels.json; 'dense'/'packed'/'gemv'/'mkl_packed' force one.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs. Only 'cpu' in a "
-                                           "cluster: every worker registers its KV cache with NIXL as CPU "
-                                           "(DRAM) memory to send or receive blocks, and GPU (VRAM) "
-                                           "registration is not implemented, so 'cuda' is refused.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs. 'cuda': the pool's "
+                                           "workers run the portable torch path on the GPU Ray gives them "
+                                           "(the pool needs num_gpus > 0) and register their KV cache with "
+                                           "NIXL as GPU (VRAM) memory; the C++ kernels are CPU-only, so "
+                                           "attention_backend 'native' and the CPU linear backends are "
+                                           "refused there. Not yet run on a GPU (docs/operations.md, \"GPUs\").")
     attention_backend: Literal["auto", "native", "sdpa"] = Field(
         "auto", description="Decode attention: 'native' = the C++ kernel built by `make setup` (reads "
         "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
@@ -246,12 +248,19 @@ class PoolSettings(_Settings):
         return value
 
     @model_validator(mode="after")
-    def _cpu_only(self) -> PoolSettings:
-        if self.engine.device == "cuda":
-            raise ValueError("engine.device: 'cuda' cannot serve in a cluster yet: each worker registers its "
-                             "KV cache with NIXL to move blocks between workers, and only CPU (DRAM) memory is "
-                             "registered; a CUDA cache needs VRAM descriptors, which are not implemented. Use "
-                             "'cpu' (docs/operations.md, \"GPUs\")")
+    def _cuda_pool(self) -> PoolSettings:
+        e = self.engine
+        if e.device != "cuda":
+            return self
+        if self.num_gpus <= 0:
+            raise ValueError("engine.device: 'cuda' needs num_gpus > 0: Ray shows a worker only the GPUs "
+                             "its pool reserves (set num_gpus: 1, or a fraction to share one)")
+        if e.attention_backend == "native":
+            raise ValueError("engine.attention_backend: 'native' is the C++ CPU kernel; on 'cuda' use "
+                             "'auto' or 'sdpa'")
+        if e.linear_backend not in ("auto", "dense"):
+            raise ValueError(f"engine.linear_backend: {e.linear_backend!r} is a CPU backend; on 'cuda' "
+                             "use 'auto' or 'dense'")
         return self
 
     def engine_config(self, model: ModelSettings, mode: EngineMode) -> EngineConfig:

@@ -134,10 +134,14 @@ ERROR_CASES = [
     ("batch smaller than seqs", M + "decode: {engine: {max_num_seqs: 128, max_num_batched_tokens: 64}}\n",
      "cluster.yaml:2: decode.engine.max_num_batched_tokens: must be >= max_num_seqs (128) so that every "
      "running sequence can decode in one step"),
-    ("cuda cannot move KV", M + "decode: {num_gpus: 1, engine: {device: cuda}}\n",
-     "cluster.yaml:2: decode.engine.device: 'cuda' cannot serve in a cluster yet: each worker registers its KV "
-     "cache with NIXL to move blocks between workers, and only CPU (DRAM) memory is registered; a CUDA cache "
-     "needs VRAM descriptors, which are not implemented. Use 'cpu' (docs/operations.md, \"GPUs\")"),
+    ("cuda without a GPU", M + "decode: {engine: {device: cuda}}\n",
+     "cluster.yaml:2: decode.engine.device: 'cuda' needs num_gpus > 0: Ray shows a worker only the GPUs its "
+     "pool reserves (set num_gpus: 1, or a fraction to share one)"),
+    ("cuda with the C++ attention", M + "prefill: {num_gpus: 1, engine: {device: cuda, attention_backend: native}}\n",
+     "cluster.yaml:2: prefill.engine.attention_backend: 'native' is the C++ CPU kernel; on 'cuda' use 'auto' "
+     "or 'sdpa'"),
+    ("cuda with a CPU linear", M + "decode: {num_gpus: 0.5, engine: {device: cuda, linear_backend: gemv}}\n",
+     "cluster.yaml:2: decode.engine.linear_backend: 'gemv' is a CPU backend; on 'cuda' use 'auto' or 'dense'"),
     ("reserved resource", M + "prefill: {resources: {GPU: 1}}\n",
      "cluster.yaml:2: prefill.resources: 'GPU' is set by num_cpus/num_gpus, not as a custom resource"),
     ("decode pool at zero", M + "decode: {min_replicas: 0}\n",
@@ -179,6 +183,14 @@ def test_config_error_is_an_invalid_request_error_listing_every_problem(tmp_path
         load_text(tmp_path, "model: {path: /m, colour: red}\nslo: {ttft_ms: 0, itl_ms: -1}\n")
     assert isinstance(info.value, ConfigError) and len(info.value.problems) == 3
     assert "slo.itl_ms" in str(info.value)
+
+
+def test_a_cuda_pool_with_gpus_loads_and_reaches_its_engine(tmp_path: Path) -> None:
+    """A GPU prefill pool beside a CPU decode pool: the pools may differ, and the device reaches
+    each replica's engine config (the pools' KV has the same meaning wherever it lives)."""
+    config = load_text(tmp_path, M + "prefill: {num_gpus: 1, accelerator_type: H100, engine: {device: cuda}}\n")
+    assert config.prefill.engine_config(config.model, EngineMode.PREFILL).device == "cuda"
+    assert config.decode.engine_config(config.model, EngineMode.DECODE).device == "cpu"
 
 
 def test_secrets_never_appear_in_errors_or_dumps(tmp_path: Path) -> None:
