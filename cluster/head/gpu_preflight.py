@@ -216,7 +216,7 @@ async def wait_for_gpus(config: ClusterConfig, stop: asyncio.Event | None = None
         if left <= 0:
             if wait_s > 0:
                 reason += f" (after waiting {wait_s:.0f} s for nodes to join)"
-            logger.error("GPU pre-flight: %s", reason)
+            logger.info("GPU pre-flight: refused: %s", reason)   # the caller prints the error itself, once
             raise InvalidRequestError(reason)
         if said_at is None or loop.time() - said_at >= 30:
             said_at = loop.time()

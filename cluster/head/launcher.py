@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.head.head_processes import HEAD_ID_ENV, HeadIdentity, new_head_id
+from pdserve.cluster.head.gpu_preflight import wait_for_gpus
 from pdserve.cluster.head.router_actor import start_router_actors, stop_router_actors
 from pdserve.cluster.head.state_files import (ensure_state_dir, head_file, read_head, remove_state, state_file,
                                               write_private, write_redis_password)
@@ -101,6 +102,7 @@ async def serve(config: ClusterConfig, ready: asyncio.Event | None = None,
     state: dict = {}
     router_actors: list = []
     try:
+        await wait_for_gpus(config, stop)   # a GPU config Ray cannot hold: refused in one line, before any worker
         endpoints = await service.start()
         if config.router.replicas > 1:
             started = await asyncio.to_thread(start_router_actors, config, redis_url, password,

@@ -87,9 +87,12 @@ def _wait_up(proc: subprocess.Popen, log_path: Path, timeout_s: float, identity:
     last_note = 0.0
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"pdserve: error: the head exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
-            print("\n".join(tail), file=sys.stderr)
+            if tail and tail[-1].startswith("pdserve: error: "):   # the head refused, with its reason in one line
+                print(tail[-1], file=sys.stderr)
+            else:
+                print(f"pdserve: error: the head exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
+                print("\n".join(tail), file=sys.stderr)
             stop_leftovers(identity or HeadIdentity(proc.pid))
             st = read_head()
             if st and st.get("pid") == proc.pid:
