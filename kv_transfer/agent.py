@@ -1,7 +1,10 @@
 """KVAgent: one NIXL agent (UCX backend) owning a worker's whole KV cache tensor.
 
-The agent registers the KV tensor once, publishes :meth:`KVAgent.metadata`, loads peers'
-metadata (refusing incompatible layouts), posts block writes as coalesced descriptors, and
+The agent registers the KV tensor once, with the memory type it really has (VRAM with its
+device id for a CUDA cache, DRAM for a host one; ``kv_transfer/region.py``) or, when NIXL
+cannot move that memory, a host mirror that every transfer is staged through
+(``kv_transfer/staging.py``; ``KVAgentConfig.staging``). It publishes :meth:`KVAgent.metadata`,
+loads peers' metadata (refusing incompatible layouts), posts block writes as coalesced descriptors, and
 routes incoming notifications to the sender or receiver of the request they name: one NIXL
 agent's notification queue holds every request's messages, so :meth:`pump` drains it and
 files each message in a per-request mailbox.
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.errors import CompatibilityError, KVTransferError
 from pdserve.kv_transfer.layout import BlockRun, KVLayout
+from pdserve.kv_transfer.memory import VRAM, StagingMode
+from pdserve.kv_transfer.region import BACKEND, KVRegion, check_tensor, register_kv, release_kv
 from pdserve.kv_transfer.wire import Notif, PeerInfo, decode_metadata, encode_metadata
 
 if TYPE_CHECKING:
@@ -35,14 +40,22 @@ Mailbox = deque  # deque[tuple[str, Notif]]: (peer agent name, message)
 
 @dataclass(frozen=True, slots=True)
 class KVAgentConfig:
-    """NIXL agent options. ``progress_thread`` trades a busy core for progress without polling."""
+    """NIXL agent options. ``progress_thread`` trades a busy core for progress without polling;
+    ``staging`` says when transfers go through a host mirror of the cache (``StagingMode``;
+    its value as a string is accepted too)."""
 
     progress_thread: bool = False
     num_threads: int = 0
+    staging: StagingMode = StagingMode.AUTO
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        try:
+            object.__setattr__(self, "staging", StagingMode(self.staging))
+        except ValueError:
+            raise ValueError(f"staging must be one of {[m.value for m in StagingMode]}, "
+                             f"got {self.staging!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +72,7 @@ class KVAgent:
 
     def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout,
                  config: KVAgentConfig | None = None) -> None:
-        _check_tensor(kv_cache, layout)
+        check_tensor(kv_cache, layout)
         from nixl._api import nixl_agent, nixl_agent_config  # heavy; lazily
 
         config = config or KVAgentConfig()
@@ -70,23 +83,25 @@ class KVAgent:
         started = time.perf_counter()
         self._nixl: Any = nixl_agent(name, nixl_agent_config(
             enable_prog_thread=config.progress_thread, num_threads=config.num_threads,
-            backends=["UCX"]))
-        if "UCX" not in self._nixl.backends:
+            backends=[BACKEND]))
+        if BACKEND not in self._nixl.backends:
             raise KVTransferError("NIXL UCX backend failed to start (see UCX logs)")
-        self._reg_descs = self._nixl.register_memory(kv_cache)
+        self.region: KVRegion = register_kv(self._nixl, kv_cache, config.staging)
         self.startup_seconds = time.perf_counter() - started
-        self._base_addr = kv_cache.data_ptr()
         self._peers: dict[str, PeerInfo] = {}
         self._mailboxes: dict[tuple[bool, str], Mailbox] = {}
         self._open_handles: set[int] = set()
         self.notifs_dropped = 0
-        logger.info("KV agent %s up in %.3fs: %d blocks x %d bytes registered", name,
-                    self.startup_seconds, layout.num_blocks, layout.block_bytes)
+        logger.info("KV agent %s up in %.3fs: %d blocks x %d bytes registered, %s", name,
+                    self.startup_seconds, layout.num_blocks, layout.block_bytes,
+                    self.region.describe())
 
     # ---- peers -------------------------------------------------------------------------
     def metadata(self) -> bytes:
         """NIXL metadata plus our layout and KV address, for peers' :meth:`add_peer`."""
-        info = PeerInfo(self.name, self.layout, self._base_addr, self.layout.total_bytes)
+        region = self.region
+        info = PeerInfo(self.name, self.layout, region.base_addr, self.layout.total_bytes,
+                        region.placement.dev_id, region.placement.mem_type)
         with self._lock:
             return encode_metadata(info, self._live().get_agent_metadata())
 
@@ -133,22 +148,29 @@ class KVAgent:
     def post_write(self, peer: str, runs: list[BlockRun], notif: Notif) -> PostedWrite:
         """Start one NIXL WRITE of ``runs`` (one descriptor each) into ``peer``; non-blocking.
 
-        ``notif`` is delivered to the peer after all of this write's bytes have landed.
+        ``notif`` is delivered to the peer after all of this write's bytes have landed. A staged
+        agent first copies the source runs into its host mirror; a direct VRAM agent first waits
+        for the device's queued work, so NIXL reads blocks the engine has finished writing.
         """
         import numpy as np
 
         info = self.peer(peer)
         size = self.layout.block_bytes
-        local = np.array([(self._base_addr + r.src_start * size, r.length * size, 0)
-                          for r in runs], dtype=np.uint64)
+        region = self.region
+        local = np.array([(region.base_addr + r.src_start * size, r.length * size,
+                           region.placement.dev_id) for r in runs], dtype=np.uint64)
         remote = np.array([(info.base_addr + r.dst_start * size, r.length * size, info.dev_id)
                            for r in runs], dtype=np.uint64)
+        if region.staging is not None:  # outside the lock: a copy, no NIXL call
+            region.staging.stage_out((r.src_start, r.length) for r in runs)
+        elif region.placement.mem_type == VRAM:
+            _wait_for_device(region.placement.dev_id)
         with self._lock:
             nixl = self._live()
             try:
                 handle = nixl.initialize_xfer(
-                    "WRITE", nixl.get_xfer_descs(local, "DRAM"),
-                    nixl.get_xfer_descs(remote, "DRAM"), peer, notif.to_bytes())
+                    "WRITE", nixl.get_xfer_descs(local, region.placement.mem_type),
+                    nixl.get_xfer_descs(remote, info.mem_type), peer, notif.to_bytes())
             except Exception as exc:  # NIXL binding errors (e.g. NIXL_ERR_NOT_FOUND)
                 raise KVTransferError(f"NIXL could not prepare a write to {peer}: {exc}") from exc
             self._open_handles.add(id(handle))
@@ -165,6 +187,13 @@ class KVAgent:
                 raise KVTransferError(f"NIXL write to {peer} failed: {error}") from error
             raise KVTransferError(f"NIXL refused to post a write to {peer}")
         return PostedWrite(handle, len(runs), sum(r.length for r in runs) * size)
+
+    def land(self, runs: tuple[tuple[int, int], ...]) -> None:
+        """The receiver's hook for ``(dst_start, length)`` runs a WRITE notification says
+        landed: a staged agent copies them from its host mirror into the cache; otherwise
+        they are already there and nothing happens."""
+        if self.region.staging is not None:
+            self.region.staging.land(runs)  # raises KVTransferError once the agent is closed
 
     def xfer_state(self, handle: Any) -> str:
         """"DONE", "PROC" or "ERR" for a posted write (advances progress)."""
@@ -257,7 +286,7 @@ class KVAgent:
                                self.name, len(self._open_handles), len(self._mailboxes))
             for name in list(self._peers):
                 self.remove_peer(name)
-            self._nixl.deregister_memory(self._reg_descs)
+            release_kv(self._nixl, self.region)
             self._nixl = None
             self._mailboxes.clear()
         logger.info("KV agent %s closed", self.name)
@@ -278,13 +307,9 @@ class KVAgent:
         return self._nixl
 
 
-def _check_tensor(kv_cache: torch.Tensor, layout: KVLayout) -> None:
-    if kv_cache.device.type != "cpu":
-        raise ValueError(f"KV cache must be a CPU tensor, got {kv_cache.device}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("KV cache tensor must be contiguous")
-    if tuple(kv_cache.shape) != layout.shape:
-        raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != layout {layout.shape}")
-    dtype = str(kv_cache.dtype).removeprefix("torch.")
-    if dtype != layout.dtype:
-        raise ValueError(f"KV cache dtype {dtype} != layout {layout.dtype}")
+def _wait_for_device(dev_id: int) -> None:
+    """Block until CUDA device ``dev_id`` has run the work queued on it (the engine's writes
+    into the blocks about to be read)."""
+    import torch  # only a VRAM agent gets here, so torch and CUDA are already loaded
+
+    torch.cuda.synchronize(dev_id)

@@ -1,6 +1,6 @@
 """The KV cache layout both ends of a transfer must agree on, and block-run coalescing.
 
-Each worker holds ONE contiguous CPU tensor, block-major:
+Each worker holds ONE contiguous tensor (in host memory or on a GPU), block-major:
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``. One block (all layers'
 K and V) is therefore one contiguous region of ``block_bytes`` bytes, and a run of
 consecutive block ids is one contiguous region, which is what lets :func:`coalesce_runs`
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 #: Bumped whenever the bytes on the wire (metadata envelope, TransferParams, notifications)
 #: or their meaning change; peers with different versions refuse each other.
-PROTOCOL_VERSION = 2  # 2: TransferParams lost its never-set src_blocks
+PROTOCOL_VERSION = 3  # 2: TransferParams lost its never-set src_blocks; 3: metadata names mem_type
 
 #: Element size in bytes of each KV dtype we can move (names as torch spells them).
 DTYPE_SIZES: dict[str, int] = {

@@ -6,7 +6,8 @@ Life cycle (the sender's side is in ``pdserve.kv_transfer.sender``):
    dst_blocks, timeout_s=...)``; the deadline starts now. State: WAITING.
    ``params()`` is what the prefill worker needs (ship ``params().to_bytes()``).
 2. ``poll()`` drains the agent's notifications for this request. Each WRITE notification
-   (delivered by NIXL only after its bytes landed) marks its runs as landed.
+   (delivered by NIXL only after its bytes landed) marks its runs as landed; on a staged
+   agent they are first copied from the host mirror into the cache (``KVAgent.land``).
 3. DONE carries the sender's write, block and byte counts. When every write it counts has
    been seen and the landed blocks are exactly the reserved ones, the state is LANDED and
    the blocks hold the prompt's KV. A DONE that disagrees with what landed ends in FAILED.
@@ -178,6 +179,7 @@ class KVReceiver:
         if outside:
             self._end(RecvState.FAILED, f"sender wrote unreserved blocks {outside[:8]}")
             return
+        self._agent.land(notif.runs)  # a staged agent copies them from its host mirror
         now = self._clock()
         if self.stats.first_write_at is None:
             self.stats.first_write_at = now

@@ -4,8 +4,11 @@ Metadata envelope (``KVAgent.metadata()``), published once per worker (the route
 
     b"PDKVMD" | u16 protocol version | u32 header length | header JSON | NIXL agent metadata
 
-The header names the agent, its :class:`KVLayout`, and where its KV tensor lives, so a peer
-can check compatibility and address blocks without another round trip.
+The header names the agent, its :class:`KVLayout`, and where its KV region lives (address,
+NIXL memory type and device id: a GPU cache is VRAM, a host cache or a staging mirror DRAM),
+so a peer can check compatibility and address blocks without another round trip. Where the
+bytes live is not part of the compatibility check: a GPU worker and a CPU worker with the same
+layout exchange blocks.
 
 Notifications ride NIXL's notification channel as ``b"pdkv<version> " + JSON``. Anything
 without that prefix is not ours and is ignored (logged), never raised into a caller.
@@ -21,6 +24,7 @@ from enum import Enum
 
 from pdserve.engine.errors import CompatibilityError, KVTransferError
 from pdserve.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
+from pdserve.kv_transfer.memory import DRAM, MemoryPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +35,18 @@ _NOTIF_PREFIX = f"pdkv{PROTOCOL_VERSION} ".encode()
 
 @dataclass(frozen=True, slots=True)
 class PeerInfo:
-    """What a peer's metadata tells us: its name, layout and KV region address."""
+    """What a peer's metadata tells us: its name, layout, and KV region (address, NIXL memory
+    type and device id)."""
 
     name: str
     layout: KVLayout
     base_addr: int
     region_bytes: int
     dev_id: int = 0
+    mem_type: str = DRAM
+
+    def __post_init__(self) -> None:
+        MemoryPlacement(self.mem_type, self.dev_id)  # raises ValueError on a bad pair
 
 
 def encode_metadata(info: PeerInfo, nixl_metadata: bytes) -> bytes:
@@ -47,6 +56,7 @@ def encode_metadata(info: PeerInfo, nixl_metadata: bytes) -> bytes:
         "base_addr": info.base_addr,
         "region_bytes": info.region_bytes,
         "dev_id": info.dev_id,
+        "mem_type": info.mem_type,
     }, separators=(",", ":")).encode()
     return _MD_MAGIC + _MD_HEAD.pack(PROTOCOL_VERSION, len(header)) + header + nixl_metadata
 
@@ -68,6 +78,7 @@ def decode_metadata(data: bytes) -> tuple[PeerInfo, bytes]:
             base_addr=int(header["base_addr"]),
             region_bytes=int(header["region_bytes"]),
             dev_id=int(header["dev_id"]),
+            mem_type=str(header["mem_type"]),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise KVTransferError(f"peer metadata header is malformed: {exc}") from None

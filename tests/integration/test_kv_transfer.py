@@ -1,5 +1,8 @@
 """KV blocks moved between two OS processes over real NIXL (UCX, CPU memory).
 
+The same transfers run with either side, or both, staged through a host mirror of the cache
+(``KVAgentConfig.staging="always"``: the path a GPU cache takes when NIXL cannot register VRAM).
+
 The decode side (KVAgent + KVReceivers) lives in this pytest process, so the landed bytes
 can be compared directly; the prefill side (KVAgent + KVSenders) lives in a spawned child
 driven over a Pipe. Both fill their KV tensors from the same seeded generator, so the
@@ -8,11 +11,13 @@ expected source bytes are known here without shipping them.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,8 +27,8 @@ import torch
 
 from pdserve.engine.errors import CompatibilityError, InvalidRequestError
 from pdserve.kv_transfer.receiver import EXPIRY_SKEW_S
-from pdserve.kv_transfer import (KVAgent, KVLayout, KVReceiver, KVSender, RecvState, SendState,
-                                 TransferParams)
+from pdserve.kv_transfer import (KVAgent, KVAgentConfig, KVLayout, KVReceiver, KVSender, RecvState,
+                                 SendState, TransferParams)
 
 
 WAIT_S = 15.0  # upper bound for any single wait in this file
@@ -51,14 +56,18 @@ def _prefill_main(conn: Connection) -> None:
         cmd, *args = conn.recv()
         try:
             if cmd == "agent":
-                name, layout_dict = args
+                name, layout_dict, *staging = args
                 layout = KVLayout.from_dict(layout_dict)
-                agents[name] = KVAgent(name, source_kv(layout), layout)
+                agents[name] = KVAgent(name, source_kv(layout), layout,
+                                       KVAgentConfig(staging=staging[0] if staging else "auto"))
                 conn.send(("ok", agents[name].metadata(), agents[name].startup_seconds))
             elif cmd == "add_peer":
                 conn.send(("ok", agents[args[0]].add_peer(args[1])))
             elif cmd == "send":
                 _run_senders(conn, agents[args[0]], *args[1:])
+            elif cmd == "staging":  # (blocks copied out of the cache into the mirror, mirror address)
+                staging = agents[args[0]].region.staging
+                conn.send(("ok", staging.stats.blocks_out, staging.data_ptr()) if staging else ("ok", None, None))
             elif cmd == "exit":
                 for agent in agents.values():
                     agent.close()
@@ -155,13 +164,17 @@ def is_end(msg: tuple[Any, ...]) -> bool:
 class Pair:
     """A decode agent here and a prefill agent in the child, peered with each other."""
 
-    def __init__(self, child: PrefillProcess, dtype: str) -> None:
+    def __init__(self, child: PrefillProcess, dtype: str, decode_staging: str = "auto",
+                 prefill_staging: str = "auto") -> None:
         self.layout = make_layout(dtype)
         self.kv = torch.zeros(self.layout.shape, dtype=getattr(torch, dtype))
-        self.decode = KVAgent(f"decode-{dtype}", self.kv, self.layout)
-        self.prefill_name = f"prefill-{dtype}"
+        suffix = dtype + "".join(f"-{side}-{mode}" for side, mode in
+                                 (("d", decode_staging), ("p", prefill_staging)) if mode != "auto")
+        self.decode = KVAgent(f"decode-{suffix}", self.kv, self.layout,
+                              KVAgentConfig(staging=decode_staging))
+        self.prefill_name = f"prefill-{suffix}"
         status, metadata, self.prefill_startup_s = child.call(
-            "agent", self.prefill_name, self.layout.to_dict())
+            "agent", self.prefill_name, self.layout.to_dict(), prefill_staging)
         assert status == "ok"
         assert self.decode.add_peer(metadata) == self.prefill_name
         assert child.call("add_peer", self.prefill_name, self.decode.metadata())[0] == "ok"
@@ -387,3 +400,72 @@ def test_sender_refuses_blocks_outside_its_reservation(fp32_pair: Pair) -> None:
     sender.close()
     assert sender.state is SendState.ABORTED
     fp32_pair.assert_no_leaks()
+
+
+# ---- staged through host mirrors --------------------------------------------------------
+# (decode side, prefill side): both staged, a staged receiver fed by a direct sender, and a
+# staged sender feeding a direct receiver (a GPU worker without VRAM support beside a CPU one).
+STAGINGS = [("always", "always"), ("always", "never"), ("never", "always")]
+
+
+@pytest.fixture(params=STAGINGS, ids=lambda p: f"decode_{p[0]}-prefill_{p[1]}")
+def staged_pair(request: pytest.FixtureRequest, child: PrefillProcess,
+                pairs: dict[str, Pair]) -> Pair:
+    decode_staging, prefill_staging = request.param
+    key = f"float32-{decode_staging}-{prefill_staging}"
+    if key not in pairs:
+        pairs[key] = Pair(child, "float32", decode_staging, prefill_staging)
+    pairs[key].kv.zero_()
+    return pairs[key]
+
+
+def test_staged_transfers_land_byte_exact_through_reused_mirrors(child: PrefillProcess,
+                                                                 staged_pair: Pair) -> None:
+    pair = staged_pair
+    mirror = pair.decode.region.staging
+    if mirror is not None:  # the cache itself is never registered: peers write into the mirror
+        assert pair.decode.region.base_addr == mirror.data_ptr() != pair.kv.data_ptr()
+        mirror_at, landed_before = mirror.data_ptr(), mirror.stats.blocks_in
+    else:
+        assert pair.decode.region.base_addr == pair.kv.data_ptr()
+    _, staged_out_before, prefill_mirror_at = child.call("staging", pair.prefill_name)
+    assert (staged_out_before is None) == (pair.prefill_name.endswith("-p-never"))
+    rounds = [([3, 17, 5, 40, 41, 42, 8, 60, 0], [50, 2, 33, 10, 11, 12, 63, 7, 21]),
+              ([20, 21, 22, 23], [30, 31, 32, 33])]
+    landed: dict[int, int] = {}
+    for i, (src, dst) in enumerate(rounds):
+        receiver = KVReceiver(pair.decode, f"staged-{i}", dst, timeout_s=WAIT_S)
+        half = len(src) // 2
+        child.send(pair.prefill_name, [receiver.params()], [[(src[:half], dst[:half]),
+                                                            (src[half:], dst[half:])]])
+        _, results, open_handles, subscriptions = child.drive([receiver], is_end)
+        wait_terminal([receiver])
+        assert receiver.state is RecvState.LANDED, receiver.reason
+        assert results[0][0] == SendState.DONE.value
+        landed.update(zip(dst, src))
+        pair.assert_landed_only(landed)  # byte-exact in the cache, nothing else touched
+        receiver.close()
+        assert (open_handles, subscriptions) == (0, 0)
+    moved = sum(len(dst) for _, dst in rounds)
+    if mirror is not None:  # every landed block was copied out of the one mirror, never reallocated
+        assert mirror.stats.blocks_in - landed_before == moved and mirror.data_ptr() == mirror_at
+    _, staged_out, mirror_now = child.call("staging", pair.prefill_name)
+    if staged_out is not None:
+        assert staged_out - staged_out_before == moved and mirror_now == prefill_mirror_at
+    pair.assert_no_leaks()
+
+
+def test_closing_a_staged_agent_frees_its_mirror() -> None:
+    layout = make_layout()
+    agent = KVAgent("staged-close", torch.zeros(layout.shape), layout,
+                    KVAgentConfig(staging="always"))
+    staging = agent.region.staging
+    assert staging is not None and not staging.pinned  # a host cache needs no pinned memory
+    assert staging.nbytes == layout.total_bytes
+    host = weakref.ref(staging.host)
+    agent.close()
+    assert staging.closed and agent.closed
+    gc.collect()
+    assert host() is None  # nothing, NIXL included, still holds the mirror
+    agent.close()  # idempotent
+

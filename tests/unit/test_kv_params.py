@@ -113,10 +113,10 @@ def test_params_block_range_checked_against_the_receiver() -> None:
         params.check_blocks(dst_num_blocks=9)
 
 
-@pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"protocol_version": 2}',
-                                  b'{"protocol_version": 2, "compat_hash": "x", "request_id": "r",'
+@pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"protocol_version": %d}' % PROTOCOL_VERSION,
+                                  b'{"protocol_version": %d, "compat_hash": "x", "request_id": "r",'
                                   b' "dst_blocks": [1], "dst_agent": "d", "expires_at": 0,'
-                                  b' "extra": 1}'])
+                                  b' "extra": 1}' % PROTOCOL_VERSION])
 def test_params_from_bytes_rejects_garbage(data: bytes) -> None:
     with pytest.raises(InvalidRequestError):
         TransferParams.from_bytes(data)
@@ -137,7 +137,12 @@ def test_notif_round_trip_and_foreign_messages() -> None:
 def test_metadata_envelope_round_trip_and_version() -> None:
     info = PeerInfo("decode-0", make_layout(), base_addr=0x7F00_0000_1000, region_bytes=1 << 20)
     got, nixl_md = decode_metadata(encode_metadata(info, b"\x00nixl-blob"))
-    assert got == info and nixl_md == b"\x00nixl-blob"
+    assert got == info and nixl_md == b"\x00nixl-blob" and got.mem_type == "DRAM"
+    on_gpu = PeerInfo("prefill-0", make_layout(), base_addr=0x7A00_0000_0000, region_bytes=1 << 20,
+                      dev_id=3, mem_type="VRAM")
+    assert decode_metadata(encode_metadata(on_gpu, b""))[0] == on_gpu  # where the region lives travels
+    with pytest.raises(KVTransferError, match="mem_type"):
+        decode_metadata(encode_metadata(on_gpu, b"").replace(b'"VRAM"', b'"XRAM"'))
     blob = bytearray(encode_metadata(info, b""))
     blob[7] ^= 0xFF  # the protocol version's low byte
     with pytest.raises(CompatibilityError, match="protocol version"):
