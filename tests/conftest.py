@@ -15,6 +15,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray starts workers at niceness 15 by default: the test process (router, clients) would starve them.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Each Ray the tests start (the session's, every head's) would boot two idle workers for its first
+# driver, 0.7 s of CPU each, that the engine workers never use: their runtime_env differs (UCX_NET_DEVICES).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # pytest-xdist: each worker process starts its own Ray and Redis; the workers of its clusters
 # (and of the heads its CLI tests start) take cores from a table of its own, so one process's
