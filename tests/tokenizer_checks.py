@@ -32,6 +32,7 @@ def assert_same_tokenizer(ours, reference, *, seed: int = 0) -> None:
     """``ours`` behaves as ``reference`` on everything the engine and the router use."""
     assert type(ours) is type(reference)
     assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.init_kwargs == reference.init_kwargs     # what tokenizer_config.json and the loader set
     assert len(ours) == len(reference)
     assert ours.get_vocab() == reference.get_vocab()
     assert ours.get_added_vocab() == reference.get_added_vocab()
