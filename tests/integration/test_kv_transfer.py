@@ -6,20 +6,25 @@ The same transfers run with either side, or both, staged through a host mirror o
 The decode side (KVAgent + KVReceivers) lives in this pytest process, so the landed bytes
 can be compared directly; the prefill side (KVAgent + KVSenders) lives in a spawned child
 driven over a Pipe. Both fill their KV tensors from the same seeded generator, so the
-expected source bytes are known here without shipping them.
+expected source bytes are known here without shipping them. The GPU check's NIXL script
+(scripts/gpu_check_nixl.py) is rehearsed here on host memory too.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -469,3 +474,20 @@ def test_closing_a_staged_agent_frees_its_mirror() -> None:
     assert host() is None  # nothing, NIXL included, still holds the mirror
     agent.close()  # idempotent
 
+
+def test_the_gpu_check_rehearses_on_host_memory(tmp_path: Path) -> None:
+    """scripts/gpu_check_nixl.py, run where there is no GPU: the same pushes (direct, one
+    descriptor per block, staged) between two processes, on host memory, landing byte-exact."""
+    out = tmp_path / "nixl.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check_nixl.py", "--device", "cpu", "--tokens", "64",
+         "--iters", "2", "--out", str(out)], cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "UCX_NET_DEVICES": "lo"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu (rehearsal)" and report["byte_exact"] is True
+    assert set(report["pairs"]) == {"direct", "direct_per_block", "staged"}
+    assert report["pairs"]["staged"]["receiver_memory"] == "DRAM:0 staged via DRAM"
+    assert report["pairs"]["direct_per_block"]["descriptors"] == 4  # 64 tokens, 16-token blocks
+    assert report["nixl_vram_over_copy"] > 0 and report["nixl_staged_over_copy"] > 0
+    assert report["kv"]["bytes"] == 64 * 26 * 2 * 8 * 64 * 2
