@@ -3,9 +3,10 @@ pools' replicas, checked once Ray is up and before any worker starts, so that ``
 refuses in one line instead of waiting until its timeout for actors Ray can never place.
 
 1. ``gpu_needs``: what one replica of each GPU pool asks of ONE node (a Ray actor never spans
-   nodes): its ``num_gpus``, a GPU at all (``engine.device: cuda``), its ``accelerator_type``
-   (Ray's ``accelerator_type:<name>`` node resource) and its custom ``resources``. A pool is a GPU
-   pool when it sets any of the first three; a CPU config is never checked, and Ray is not asked.
+   nodes): its ``num_gpus``, its ``accelerator_type`` (Ray's ``accelerator_type:<name>`` node
+   resource) and its custom ``resources``. A pool is a GPU pool when it sets either of the first
+   two (``engine.device: cuda`` needs ``num_gpus`` > 0: the config refuses it without); a CPU
+   config is never checked, and Ray is not asked.
 2. ``offers_from_ray_nodes`` (``ray.nodes()``): what each running node has.
    ``offers_from_node_groups`` (an autoscaler's node groups, where it reported them to the GCS):
    what a node the autoscaler may still start would have, so a group that scales from zero is
@@ -56,17 +57,13 @@ class ReplicaNeed:
 
     pool: str
     gpus: float                      # Ray GPUs reserved (fractions allowed)
-    cuda: bool                       # engine.device is cuda: the node must have a GPU
     accelerator_type: str | None
     custom: dict[str, float] = field(default_factory=dict)
     initial: int = 0                 # replicas started with the cluster
 
-    def wants_gpu(self) -> bool:
-        return self.gpus > 0 or self.cuda
-
     def fits(self, offer: NodeOffer) -> bool:
         """One replica fits on this node when the node is empty."""
-        if self.wants_gpu() and offer.gpus < max(self.gpus, _EPS):
+        if offer.gpus < self.gpus - _EPS:
             return False
         if self.accelerator_type is not None and self.accelerator_type not in offer.accelerator_types():
             return False
@@ -96,10 +93,9 @@ def gpu_needs(config: ClusterConfig) -> list[ReplicaNeed]:
     needs = []
     for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
         pool = config.pool(role)
-        cuda = pool.engine.device == "cuda"
-        if not (pool.num_gpus > 0 or cuda or pool.accelerator_type) or pool.max_replicas == 0:
+        if not (pool.num_gpus > 0 or pool.accelerator_type) or pool.max_replicas == 0:
             continue
-        needs.append(ReplicaNeed(str(role), pool.num_gpus, cuda, pool.accelerator_type, dict(pool.resources),
+        needs.append(ReplicaNeed(str(role), pool.num_gpus, pool.accelerator_type, dict(pool.resources),
                                  pool.initial_replicas or 0))
     return needs
 
@@ -135,13 +131,13 @@ def placement_refusal(needs: list[ReplicaNeed], offers: list[NodeOffer]) -> str 
 
 def _pool_refusal(need: ReplicaNeed, offers: list[NodeOffer]) -> str | None:
     p = need.pool
-    with_gpus = [o for o in offers if o.gpus > 0]
-    if need.wants_gpu() and not with_gpus:
-        setting = (f"{p}.num_gpus: a replica needs {_gpus(need.gpus)}" if need.gpus > 0
-                   else f"{p}.engine.device: 'cuda' needs a GPU")
-        return (f"{setting}, but the Ray cluster has no GPU ({_describe(offers)}) and no autoscaler group that adds "
-                f"one; run pdserve on a Ray cluster with GPUs, or set {p}.num_gpus: 0 and {p}.engine.device: cpu")
-    candidates = with_gpus if need.wants_gpu() else offers
+    candidates = offers
+    if need.gpus > 0:
+        candidates = [o for o in offers if o.gpus > 0]
+        if not candidates:
+            return (f"{p}.num_gpus: a replica needs {_gpus(need.gpus)}, but the Ray cluster has no GPU "
+                    f"({_describe(offers)}) and no autoscaler group that adds one; run pdserve on a Ray cluster with "
+                    f"GPUs, or set {p}.num_gpus: 0 and {p}.engine.device: cpu")
     if need.accelerator_type is not None:
         typed = [o for o in candidates if need.accelerator_type in o.accelerator_types()]
         if not typed:
@@ -157,9 +153,10 @@ def _pool_refusal(need: ReplicaNeed, offers: list[NodeOffer]) -> str | None:
             return (f"{p}.num_gpus: a replica needs {_gpus(need.gpus)} on one node, but the most {kind}GPUs any node "
                     f"of the Ray cluster has is {most:g}; lower {p}.num_gpus (fractions allowed) or add a bigger node")
     if not any(need.fits(o) for o in candidates):
+        what = _gpus(need.gpus) if need.gpus > 0 else f"{need.accelerator_type} GPUs"
         have = ", ".join(f"{name} {amount:g}" for name, amount in need.custom.items())
-        return (f"{p}.resources: no node of the Ray cluster with {_gpus(need.gpus) if need.gpus else 'a GPU'} also "
-                f"has {have}; start the GPU nodes with those resources (the k8s overlays' worker groups do)")
+        return (f"{p}.resources: no node of the Ray cluster with {what} also has {have}; start the GPU nodes with "
+                f"those resources (the k8s overlays' worker groups do)")
     return None
 
 

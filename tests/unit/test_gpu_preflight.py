@@ -22,13 +22,6 @@ def make_config(prefill: dict | None = None, decode: dict | None = None, ray: di
                                          "ray": ray or {}})
 
 
-def with_cuda(config: ClusterConfig, role: str) -> ClusterConfig:
-    """``config`` with ``role``'s engine on CUDA, as the loader will give it once it accepts cuda."""
-    pool = config.pool(role)
-    pool = pool.model_copy(update={"engine": pool.engine.model_copy(update={"device": "cuda"})})
-    return config.model_copy(update={role: pool})
-
-
 def ray_node(name: str, cpus: float = 16, gpus: float = 0, accelerator: str | None = None, alive: bool = True,
              **custom: float) -> dict[str, Any]:
     """One entry of ``ray.nodes()``."""
@@ -44,7 +37,7 @@ def refusal(config: ClusterConfig, *nodes: dict[str, Any], groups: list[dict] = 
     return gpu_refusal(config, offers_from_ray_nodes(nodes) + offers_from_node_groups(groups))
 
 
-ONE_GPU = {"num_gpus": 1}
+ONE_GPU = {"num_gpus": 1, "engine": {"device": "cuda"}}
 
 
 def test_a_cpu_config_passes_and_ray_is_not_asked(monkeypatch) -> None:
@@ -63,12 +56,13 @@ def test_no_gpu_on_the_cluster_is_refused_in_one_line() -> None:
     assert "\n" not in reason
 
 
-def test_cuda_without_num_gpus_still_needs_a_gpu() -> None:
-    config = with_cuda(make_config(), "decode")
-    assert [(n.pool, n.gpus, n.cuda) for n in gpu_needs(config)] == [("decode", 0.0, True)]
-    assert refusal(config, ray_node("h")).startswith("decode.engine.device: 'cuda' needs a GPU, but the Ray "
-                                                     "cluster has no GPU (1 node, 16 CPUs)")
-    assert refusal(config, ray_node("h", gpus=1)) is None
+def test_an_accelerator_type_alone_places_the_pool_on_nodes_of_that_type() -> None:
+    config = make_config(decode={"accelerator_type": "L4", "resources": {"decode": 1}})
+    assert [(n.pool, n.gpus, n.accelerator_type) for n in gpu_needs(config)] == [("decode", 0.0, "L4")]
+    assert refusal(config, ray_node("a", gpus=1, accelerator="L4"), ray_node("b", decode=1.0)) == (
+        "decode.resources: no node of the Ray cluster with L4 GPUs also has decode 1; start the GPU nodes with those "
+        "resources (the k8s overlays' worker groups do)")
+    assert refusal(config, ray_node("a", gpus=1, accelerator="L4", decode=1.0)) is None
 
 
 def test_a_replica_needing_more_gpus_than_any_one_node_has_is_refused() -> None:
@@ -134,7 +128,7 @@ def test_gpu_nodes_the_autoscaler_may_start_count_and_dead_nodes_do_not() -> Non
 
 
 def test_the_first_pool_that_cannot_be_placed_is_named() -> None:
-    needs = [ReplicaNeed("prefill", 1.0, True, None), ReplicaNeed("decode", 1.0, True, "H200")]
+    needs = [ReplicaNeed("prefill", 1.0, None), ReplicaNeed("decode", 1.0, "H200")]
     offers = offers_from_ray_nodes([ray_node("a", gpus=1, accelerator="H100")])
     assert placement_refusal(needs, offers).startswith("decode.accelerator_type: no node of the Ray cluster has "
                                                        "'H200' GPUs (it has 'H100')")

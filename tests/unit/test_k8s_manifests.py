@@ -45,7 +45,7 @@ import kuberay_rules  # noqa: E402
 import render  # noqa: E402
 import validate  # noqa: E402
 
-from pdserve.cluster.config import ClusterConfig, ConfigError  # noqa: E402
+from pdserve.cluster.config import ClusterConfig  # noqa: E402
 from pdserve.cluster.head.gpu_preflight import (gpu_refusal, offers_from_node_groups,  # noqa: E402
                                                 offers_from_ray_nodes)
 
@@ -464,18 +464,6 @@ def test_gpu_overlay_places_each_pool_on_its_gpu_node_class(rendered):
         assert "accelerator_type" not in config[pool], pool
 
 
-def as_pdserve_reads(config: dict[str, Any]) -> ClusterConfig:
-    """An overlay's cluster config as pdserve validates it. While cluster/config.py still refuses
-    engine.device: cuda (issue 59 lifts it), the device is set after validation, as the file says."""
-    devices = {p: config[p]["engine"].pop("device", "cpu") for p in POOLS}
-    loaded = ClusterConfig.model_validate(config)
-    for pool, device in devices.items():
-        settings = loaded.pool(pool)
-        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"device": device})})
-        loaded = loaded.model_copy(update={pool: settings})
-    return loaded
-
-
 def node_groups_as_the_autoscaler_sees_them(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """KubeRay's autoscaler's node groups (Ray's ``NodeGroupConfig``): Ray CPUs and GPUs from the
     Ray container's limits, the group's custom resources, at most maxReplicas nodes."""
@@ -493,7 +481,7 @@ def test_gpu_overlay_config_passes_the_heads_gpu_preflight(rendered):
     """`pdserve up` in the head pod checks its GPU pools against Ray before any worker starts
     (cluster/head/gpu_preflight.py). There the head is up before any GPU pod has joined: the
     autoscaler's groups of this overlay hold the pools; the CPU production overlay's would not."""
-    config = as_pdserve_reads(cluster_config(rendered["gpu"]))
+    config = ClusterConfig.model_validate(cluster_config(rendered["gpu"]))
     head_limits = one(rendered["gpu"], "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     head = offers_from_ray_nodes([{"NodeManagerAddress": "head", "Alive": True,
                                    "Resources": {"CPU": cpu_quantity(head_limits["resources"]["limits"]["cpu"])}}])
@@ -589,13 +577,7 @@ def test_router_ports_match_the_services(rendered, overlay):
     assert redis_url.startswith("redis://pdserve-redis:6379/")
 
 
-# The gpu overlay's config sets engine.device: cuda, which cluster/config.py refuses until issue 59
-# lifts it: the case fails with ConfigError until then, and passes (failing this strict xfail) after.
-CUDA_REFUSED = pytest.mark.xfail(strict=True, raises=ConfigError,
-                                 reason="cluster/config.py refuses engine.device: cuda (issue 59 lifts it)")
-
-
-@pytest.mark.parametrize("overlay", [*CPU_OVERLAYS, pytest.param("gpu", marks=CUDA_REFUSED)])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_cluster_config_loads_with_pdserve(rendered, overlay, tmp_path):
     from pdserve.cluster.config_io import load_config
 
