@@ -253,8 +253,8 @@ class PoolSettings(_Settings):
         if e.device != "cuda":
             return self
         if self.num_gpus <= 0:
-            raise ValueError("engine.device: 'cuda' needs num_gpus > 0: Ray shows a worker only the GPUs "
-                             "its pool reserves (set num_gpus: 1, or a fraction to share one)")
+            raise ValueError("engine.device: 'cuda' needs num_gpus > 0: Ray places a worker on a GPU of its "
+                             "own only when its pool reserves one (set num_gpus: 1, or a fraction to share one)")
         if e.attention_backend == "native":
             raise ValueError("engine.attention_backend: 'native' is the C++ CPU kernel; on 'cuda' use "
                              "'auto' or 'sdpa'")

@@ -135,8 +135,8 @@ ERROR_CASES = [
      "cluster.yaml:2: decode.engine.max_num_batched_tokens: must be >= max_num_seqs (128) so that every "
      "running sequence can decode in one step"),
     ("cuda without a GPU", M + "decode: {engine: {device: cuda}}\n",
-     "cluster.yaml:2: decode.engine.device: 'cuda' needs num_gpus > 0: Ray shows a worker only the GPUs its "
-     "pool reserves (set num_gpus: 1, or a fraction to share one)"),
+     "cluster.yaml:2: decode.engine.device: 'cuda' needs num_gpus > 0: Ray places a worker on a GPU of its own "
+     "only when its pool reserves one (set num_gpus: 1, or a fraction to share one)"),
     ("cuda with the C++ attention", M + "prefill: {num_gpus: 1, engine: {device: cuda, attention_backend: native}}\n",
      "cluster.yaml:2: prefill.engine.attention_backend: 'native' is the C++ CPU kernel; on 'cuda' use 'auto' "
      "or 'sdpa'"),
