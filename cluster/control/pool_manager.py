@@ -182,7 +182,7 @@ class PoolManager:
         bundles = []
         for role, record in self.pools.items():
             s = self.config.pool(role)
-            bundle = {"CPU": self.config.replica_cpus(role), **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
+            bundle = replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources, s.accelerator_type)
             bundles += [bundle] * record.pending
         try:
             from ray.autoscaler.sdk import request_resources
@@ -436,7 +436,7 @@ class PoolManager:
         available, total = _ray_resources()
         for role, record in self.pools.items():
             s = self.config.pool(role)
-            need = replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources)
+            need = replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources, s.accelerator_type)
             states.append(PoolState(role=role, replicas=len(record.handles) - len(record.draining),
                                     min_replicas=s.min_replicas, max_replicas=self._limit(role, need, available),
                                     max_num_seqs=s.engine.max_num_seqs, pending=record.pending,
@@ -448,8 +448,8 @@ class PoolManager:
         """The most replicas ``role``'s pool may run now: its ``max_replicas``, or when that is
         unset, the replicas it has (started or starting) plus those Ray has room for."""
         s = self.config.pool(role)
-        return self._limit(role, replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources),
-                           _ray_resources()[0])
+        return self._limit(role, replica_needs(self.config.replica_cpus(role), s.num_gpus, s.resources,
+                                               s.accelerator_type), _ray_resources()[0])
 
     def _limit(self, role: WorkerRole, need: dict[str, float], available: dict[str, float]) -> int:
         s, record = self.config.pool(role), self.pools[role]
@@ -560,9 +560,19 @@ def _ray_resources() -> tuple[dict[str, float], dict[str, float]]:
         return {}, {}
 
 
-def replica_needs(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
-    """The Ray resources one replica reserves (those above zero)."""
-    return {name: amount for name, amount in {"CPU": cpus, "GPU": gpus, **custom}.items() if amount > 0}
+# What a task with ``accelerator_type`` asks of Ray: a sliver of the node's ``accelerator_type:<T>``
+# resource, so only nodes of that type place it (Ray's own amount).
+ACCELERATOR_AMOUNT = 0.001
+
+
+def replica_needs(cpus: float, gpus: float, custom: dict[str, float],
+                  accelerator_type: str | None = None) -> dict[str, float]:
+    """The Ray resources one replica reserves (those above zero); a pool placed by
+    ``accelerator_type`` needs a node of that type, so free GPUs of another type are no room."""
+    wanted = {"CPU": cpus, "GPU": gpus, **custom}
+    if accelerator_type:
+        wanted[f"accelerator_type:{accelerator_type}"] = ACCELERATOR_AMOUNT
+    return {name: amount for name, amount in wanted.items() if amount > 0}
 
 
 def fits(need: dict[str, float], available: dict[str, float]) -> int:

@@ -309,6 +309,9 @@ def test_an_unset_max_replicas_is_what_ray_has_room_for() -> None:
     assert fits(one_cpu, {"CPU": 3.5}) == 3
     assert fits(replica_needs(2.0, 0.0, {"prefill": 1.0}), {"CPU": 8.0, "prefill": 1.0}) == 1   # custom binds
     assert fits(replica_needs(1.0, 1.0, {}), {"CPU": 8.0}) == 0                                  # no GPU at all
+    h100 = replica_needs(1.0, 1.0, {}, accelerator_type="H100")
+    assert fits(h100, {"CPU": 8.0, "GPU": 4.0, "accelerator_type:A100": 1.0}) == 0   # free GPUs of another type
+    assert fits(h100, {"CPU": 8.0, "GPU": 2.0, "accelerator_type:H100": 1.0}) == 2
     assert fits(one_cpu, {}) == 0                                                                 # Ray cannot say
     assert auto_max_replicas(current=1, initial=1, min_replicas=1, room=fits(one_cpu, {"CPU": 2.0})) == 3
     assert auto_max_replicas(current=1, initial=1, min_replicas=1, room=0) == 1    # a full host: fixed at 1
