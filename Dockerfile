@@ -4,9 +4,11 @@
 #
 #   docker build -t pdserve:0.1.0 .
 #
-# CPU only: the KV transfer between pools registers CPU memory with NIXL (DRAM descriptors), so
-# a CUDA worker could not hand its KV cache over (docs/operations.md, "GPUs"). Every version is
-# pinned: torch from its CPU index, everything else by docker/constraints.txt (the .venv that
+# The default build is CPU torch. A CUDA image for the gpu overlay (k8s/overlays/gpu) takes torch's
+# CUDA build: --build-arg TORCH_VARIANT=cu130 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+# (and NIXL's CUDA wheel, nixl-cu13, for KV from GPU memory); that variant has never been built
+# or run here (docs/operations.md, "GPUs"). Every version is
+# pinned: torch from its index, everything else by docker/constraints.txt (the .venv that
 # passed `make test`). Model weights are not in the image: each Ray pod's `model` init container
 # checks them on the model volume, or downloads the pinned revision named in the cluster config
 # (k8s/README.md, "3. Put a model on the PVC").
@@ -14,6 +16,7 @@
 FROM python:3.11.11-slim-bookworm
 
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -35,8 +38,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends wget ca-certificates g++ \
     && rm -rf /var/lib/apt/lists/*
 
-# torch first, from the CPU index, so that installing pdserve keeps that build.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu"
+# torch first, from its index, so that installing pdserve keeps that build.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_VARIANT}"
 
 WORKDIR /opt/pdserve
 COPY docker/constraints.txt docker/constraints.txt
