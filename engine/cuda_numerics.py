@@ -20,19 +20,18 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def disable_tf32() -> dict[str, str]:
-    """IEEE float32 for CUDA matmuls and cuDNN (TF32 off); returns the settings applied."""
+def disable_tf32() -> dict[str, bool]:
+    """IEEE float32 for CUDA matmuls and cuDNN (TF32 off); returns the flags as read back.
+
+    Set through ``allow_tf32``, the API every torch since 1.12 has: torch >= 2.9 maps it onto its
+    ``fp32_precision`` settings, while setting those directly makes any later read of
+    ``cudnn.allow_tf32`` (by torch's compiler, by a library) raise on the mix of the two APIs."""
     import torch
 
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):   # torch >= 2.9: the precision API (do not mix with allow_tf32)
-        matmul.fp32_precision = "ieee"
-        torch.backends.cudnn.fp32_precision = "ieee"
-        applied = {"cuda.matmul.fp32_precision": "ieee", "cudnn.fp32_precision": "ieee"}
-    else:
-        matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        applied = {"cuda.matmul.allow_tf32": "False", "cudnn.allow_tf32": "False"}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    applied = {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+               "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32}
     logger.info("CUDA float32: TF32 off (%s)", applied)
     return applied
 

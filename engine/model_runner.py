@@ -138,6 +138,12 @@ class ModelRunner:
             return forced("mkl_packed")
         return select_kernels(self.weights.layers[0], self.weights.lm_head, self.dtype, KernelCache())
 
+    def use_attention(self, backend: str) -> None:
+        """Attend with ``backend`` from the next step on, over the same cache and weights (the GPU
+        check times each candidate on one loaded model). Call between steps."""
+        self._cache = PagedKVCache(self.kv_cache, self.spec.num_heads, backend)
+        self.attention_backend = self._cache.backend
+
     def describe(self) -> dict[str, object]:
         """What this runner resolved at start: dtype, threads, matmul kernels, attention."""
         return {"dtype": self.dtype_name, "num_threads": self.num_threads, "linear_backend": self.linear_backend,

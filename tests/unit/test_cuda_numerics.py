@@ -19,19 +19,12 @@ def test_deterministic_attention_leaves_sdpa_only_its_math_backend():
 
 
 def test_disable_tf32_says_what_it_set():
-    matmul = torch.backends.cuda.matmul
-    new_api = hasattr(matmul, "fp32_precision")
-    before = (matmul.fp32_precision, torch.backends.cudnn.fp32_precision) if new_api else matmul.allow_tf32
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = (matmul.allow_tf32, cudnn.allow_tf32)
     try:
-        applied = disable_tf32()
-        if new_api:
-            assert matmul.fp32_precision == "ieee"
-            assert applied["cuda.matmul.fp32_precision"] == "ieee"
-        else:
-            assert matmul.allow_tf32 is False
-            assert applied["cuda.matmul.allow_tf32"] == "False"
+        matmul.allow_tf32 = cudnn.allow_tf32 = True
+        assert disable_tf32() == {"cuda.matmul.allow_tf32": False, "cudnn.allow_tf32": False}
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+        assert torch.get_float32_matmul_precision() == "highest"
     finally:
-        if new_api:
-            matmul.fp32_precision, torch.backends.cudnn.fp32_precision = before
-        else:
-            matmul.allow_tf32 = before
+        matmul.allow_tf32, cudnn.allow_tf32 = before
