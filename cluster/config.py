@@ -162,6 +162,11 @@ class EngineSettings(_Settings):
         "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
         "SDPA, 'auto' = native when built and on CPU (a log line says when it falls back).")
 
+    kv_staging: Literal["auto", "never", "always"] = Field(
+        "auto", description="KV transfers through a host mirror of the KV cache (pinned host memory "
+        "the size of the cache, registered with NIXL as CPU memory; blocks copied into it before a push "
+        "and out of it as a push lands): 'auto' = only where NIXL cannot register the cache's GPU memory, "
+        "'never' = fail to start there instead, 'always' = every transfer (to measure it).")
     warm_up: bool = Field(True, description="At start, run one prefill step of max_num_batched_tokens "
                           "tokens and one decode step of max_num_seqs sequences on scratch KV blocks (zeroed "
                           "after), so the first burst does not pay for planning those shapes (~1 s at start "
@@ -272,7 +277,7 @@ class PoolSettings(_Settings):
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             max_model_len=model.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
             enable_chunked_prefill=e.enable_chunked_prefill, mode=mode, num_threads=e.num_threads,
-            attention_backend=e.attention_backend, linear_backend=e.linear_backend,
+            attention_backend=e.attention_backend, linear_backend=e.linear_backend, kv_staging=e.kv_staging,
             policy=SchedulingPolicy(e.scheduling_policy), warm_up=e.warm_up,
             prefill_pack_tokens=(AUTO_PREFILL_PACK_TOKENS if mode is EngineMode.PREFILL else None)
             if e.prefill_pack_tokens == "auto" else e.prefill_pack_tokens)

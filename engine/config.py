@@ -86,6 +86,9 @@ class EngineConfig:
     # "auto" | "native" (C++, reads the paged cache in place; CPU) | "sdpa" (gather + torch SDPA) |
     # "flex" | "varlen" (packed contexts: FlexAttention, flash varlen; engine/attention_packed.py)
     attention_backend: str = "auto"
+    # KV transfers through a host mirror of the cache (kv_transfer/staging.py): "auto" only where
+    # NIXL cannot register the cache's device memory, "never" (fail instead), "always".
+    kv_staging: str = "auto"
     seed: int = 0
     # Produce text deltas for every request. Off in the workers: the router detokenizes, and the
     # engine then decodes text only for requests with stop strings.

@@ -14,7 +14,7 @@ from pdserve.engine.contract import WorkerRole, WorkerStats
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.contract import RequestPhase
-from pdserve.kv_transfer.agent import KVAgent
+from pdserve.kv_transfer.agent import KVAgent, KVAgentConfig
 from pdserve.kv_transfer.engine_layout import layout_of
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ class WorkerBase:
         # The router detokenizes; the worker's engine decodes text only for stop strings.
         self.engine = LLMEngine(replace(engine_config, detokenize=False))
         self.layout = layout_of(self.engine)
-        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout)
+        self.agent = KVAgent(worker_id, self.engine.runner.kv_cache, self.layout,
+                             KVAgentConfig(staging=engine_config.kv_staging))
         self.started_at = time.time()
         self._loop: EngineLoop | None = None
         self.observer = WorkerObserver()

@@ -188,9 +188,12 @@ def test_config_error_is_an_invalid_request_error_listing_every_problem(tmp_path
 def test_a_cuda_pool_with_gpus_loads_and_reaches_its_engine(tmp_path: Path) -> None:
     """A GPU prefill pool beside a CPU decode pool: the pools may differ, and the device reaches
     each replica's engine config (the pools' KV has the same meaning wherever it lives)."""
-    config = load_text(tmp_path, M + "prefill: {num_gpus: 1, accelerator_type: H100, engine: {device: cuda}}\n")
-    assert config.prefill.engine_config(config.model, EngineMode.PREFILL).device == "cuda"
-    assert config.decode.engine_config(config.model, EngineMode.DECODE).device == "cpu"
+    config = load_text(tmp_path, M + "prefill: {num_gpus: 1, accelerator_type: H100, engine: {device: cuda, "
+                                     "kv_staging: always}}\n")
+    prefill = config.prefill.engine_config(config.model, EngineMode.PREFILL)
+    assert (prefill.device, prefill.kv_staging) == ("cuda", "always")
+    decode = config.decode.engine_config(config.model, EngineMode.DECODE)
+    assert (decode.device, decode.kv_staging) == ("cpu", "auto")
 
 
 def test_secrets_never_appear_in_errors_or_dumps(tmp_path: Path) -> None:
