@@ -129,17 +129,19 @@ def test_fp32_logits_match_transformers(model_pair, backend):
     print(f"{name} {backend}: worst max|diff|/max|logit| = {worst:.2e} over {rows} rows")
 
 
-@pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("mkl_packed", "auto"), ("dense", "sdpa")])
+@pytest.mark.parametrize("linear,attention", [("gemv", "auto"), ("mkl_packed", "auto"), ("dense", "sdpa"),
+                                              ("dense", "flex")])
 def test_fp32_llama_other_kernels_match_transformers(linear, attention):
     """One Llama case per alternative path, so each stays covered: the gemv matmuls (every decode
-    step here has at most 8 rows), MKL's packed matmuls and the gather + SDPA decode attention."""
+    step here has at most 8 rows), MKL's packed matmuls, the gather + SDPA attention (the portable
+    path) and FlexAttention over packed contexts (a GPU candidate, eager on CPU)."""
     model_dir = ensure_model("tiny")
     hf = _hf(model_dir)
     runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, num_blocks=64, num_threads=1,
                          linear_backend=linear, attention_backend=attention)
     assert runner.linear_backend == linear
-    if attention == "sdpa":
-        assert runner.attention_backend == "sdpa"
+    if attention != "auto":
+        assert runner.attention_backend == attention
     assert_scenario_exact(runner, hf, f"{linear}/{attention}")
 
 
