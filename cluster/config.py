@@ -157,10 +157,13 @@ class EngineSettings(_Settings):
                                            "NIXL as GPU (VRAM) memory; the C++ kernels are CPU-only, so "
                                            "attention_backend 'native' and the CPU linear backends are "
                                            "refused there. Not yet run on a GPU (docs/operations.md, \"GPUs\").")
-    attention_backend: Literal["auto", "native", "sdpa"] = Field(
+    attention_backend: Literal["auto", "native", "sdpa", "flex", "varlen"] = Field(
         "auto", description="Decode attention: 'native' = the C++ kernel built by `make setup` (reads "
         "the paged KV cache in place; start fails if it is not built), 'sdpa' = gather blocks + torch "
-        "SDPA, 'auto' = native when built and on CPU (a log line says when it falls back).")
+        "SDPA, 'auto' = native when built and on CPU (a log line says when it falls back), sdpa on "
+        "cuda. GPU candidates (not yet run on a GPU): 'flex' = FlexAttention with a block mask "
+        "(compiled on cuda; eager and slow on CPU), 'varlen' = flash attention over packed sequences "
+        "(cuda with model.dtype bfloat16 only).")
 
     kv_staging: Literal["auto", "never", "always"] = Field(
         "auto", description="KV transfers through a host mirror of the KV cache (pinned host memory "
@@ -256,6 +259,9 @@ class PoolSettings(_Settings):
     def _cuda_pool(self) -> PoolSettings:
         e = self.engine
         if e.device != "cuda":
+            if e.attention_backend == "varlen":
+                raise ValueError("engine.attention_backend: 'varlen' is flash attention, which runs on "
+                                 "'cuda' only; on CPU use 'auto', 'native' or 'sdpa'")
             return self
         if self.num_gpus <= 0:
             raise ValueError("engine.device: 'cuda' needs num_gpus > 0: Ray places a worker on a GPU of its "
@@ -567,6 +573,9 @@ class ClusterConfig(_Settings):
             raise ValueError(f"decode.engine.block_size: must equal prefill.engine.block_size "
                              f"({self.prefill.engine.block_size}); KV blocks move between the pools as is")
         for role in WorkerRole:
+            if self.pool(role).engine.attention_backend == "varlen" and self.model.dtype == "float32":
+                raise ValueError(f"{role}.engine.attention_backend: 'varlen' (flash attention) needs "
+                                 "bfloat16 KV; with model.dtype 'float32' use 'auto', 'sdpa' or 'flex'")
             if self.pool(role).engine.linear_backend == "mkl_packed" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{role}.engine.linear_backend: 'mkl_packed' packs float32 weights; with "
                                  "model.dtype 'bfloat16' use 'auto', 'packed' or 'dense'")

@@ -140,6 +140,13 @@ ERROR_CASES = [
     ("cuda with the C++ attention", M + "prefill: {num_gpus: 1, engine: {device: cuda, attention_backend: native}}\n",
      "cluster.yaml:2: prefill.engine.attention_backend: 'native' is the C++ CPU kernel; on 'cuda' use 'auto' "
      "or 'sdpa'"),
+    ("varlen on CPU", M + "decode: {engine: {attention_backend: varlen}}\n",
+     "cluster.yaml:2: decode.engine.attention_backend: 'varlen' is flash attention, which runs on 'cuda' only; "
+     "on CPU use 'auto', 'native' or 'sdpa'"),
+    ("varlen in float32", M.replace("}", ", dtype: float32}") + "decode: {num_gpus: 1, engine: {device: cuda, "
+     "attention_backend: varlen}}\n",
+     "cluster.yaml:2: decode.engine.attention_backend: 'varlen' (flash attention) needs bfloat16 KV; with "
+     "model.dtype 'float32' use 'auto', 'sdpa' or 'flex'"),
     ("cuda with a CPU linear", M + "decode: {num_gpus: 0.5, engine: {device: cuda, linear_backend: gemv}}\n",
      "cluster.yaml:2: decode.engine.linear_backend: 'gemv' is a CPU backend; on 'cuda' use 'auto' or 'dense'"),
     ("reserved resource", M + "prefill: {resources: {GPU: 1}}\n",
