@@ -19,14 +19,6 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # driver, 0.7 s of CPU each, that the engine workers never use: their runtime_env differs (UCX_NET_DEVICES).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
-# pytest-xdist: each worker process starts its own Ray and Redis; the workers of its clusters
-# (and of the heads its CLI tests start) take cores from a table of its own, so one process's
-# clusters do not leave another's unpinned (test_worker_threads checks pinning).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import tempfile
-
-    os.environ.setdefault("PDSERVE_CORE_DIR", tempfile.mkdtemp(prefix=f"pdserve-cores-{os.environ['PYTEST_XDIST_WORKER']}-"))
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["time_budget", "shared_clusters"]   # per-module time budgets; clusters shared by modules
 

@@ -26,7 +26,7 @@ ROUTER_CLUSTER: dict[str, Any] = {"decode.min_replicas": 2,
 SHARED = ("router_cluster",)
 
 _live: dict[str, Any] = {}       # fixture name -> its running harness
-_last_user: dict[str, pytest.Item] = {}  # fixture name -> the last test that uses it
+_last_user: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
 
 
 class ModuleView:
@@ -63,9 +63,7 @@ def router_cluster(tiny_model, ray_session, redis_server):
         _stop("router_cluster")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups marked here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    shared_by: dict[Any, str] = {}   # module -> the shared cluster it uses
     for name in SHARED:
         modules = list(dict.fromkeys(i.module for i in items if name in getattr(i, "fixturenames", ())))
         if not modules:
@@ -74,33 +72,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = [i for i in items if i.module in modules]
         rest = [i for i in items if i.module not in modules]
         items[:] = rest[:first] + group + rest[first:]
-        _last_user[name] = group[-1]
-        shared_by.update(dict.fromkeys(modules, name))
-    if config.getoption("dist", "no") == "loadgroup":
-        _group_for_xdist(items, shared_by)
-
-
-def _group_for_xdist(items: list[pytest.Item], shared_by: dict[Any, str]) -> None:
-    """pytest-xdist: a module's tests run in one worker (its module fixtures start once), and so
-    do all the modules of one shared cluster. The groups that took longest in the measured runs
-    (tests/time_budget.json) go first, so the last one to start is short."""
-    from time_budget import module_budgets
-
-    budgets = module_budgets("test")
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        name = shared_by.get(item.module, module)
-        item.add_marker(pytest.mark.xdist_group(name))
-        groups.setdefault(name, []).append(item)
-    cost = {name: sum(budgets.get(m, 0.0) for m in {i.nodeid.split("::")[0] for i in members})
-            for name, members in groups.items()}
-    items[:] = [i for name in sorted(groups, key=lambda g: -cost[g]) for i in groups[name]]
+        _last_user[name] = group[-1].nodeid
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
-    for name, last in _last_user.items():
-        if item is last:
+    for name, nodeid in _last_user.items():
+        if item.nodeid == nodeid:
             _stop(name)

@@ -25,7 +25,6 @@ import pytest
 
 BUDGET_FILE = Path(__file__).with_name("time_budget.json")
 SHARED = "<session fixtures>"
-SHARED_PROPERTY = "pdserve_session_fixture_s"
 HEADROOM = 2.0
 MIN_BUDGET_S = 5.0     # a module of a few fast tests: a budget below this would only measure noise
 
@@ -55,20 +54,10 @@ class TimeBudget:
     def _add_shared(self, seconds: float) -> None:
         self._shared_in_phase += seconds
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
-        # The report carries this phase's session-fixture time: with pytest-xdist, reports are
-        # added up in the controller, which runs no fixture.
-        self.take_shared((yield).get_result())
-
-    def take_shared(self, report: pytest.TestReport) -> None:
-        """Move the session-fixture time of the phase just ended into its report."""
-        report.user_properties.append((SHARED_PROPERTY, min(self._shared_in_phase, report.duration)))
-        self._shared_in_phase = 0.0
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         module = report.nodeid.split("::")[0]
-        shared = dict(report.user_properties).get(SHARED_PROPERTY, 0.0)
+        shared = min(self._shared_in_phase, report.duration)
+        self._shared_in_phase = 0.0
         self.seconds[module] += report.duration - shared
         self.seconds[SHARED] += shared
 
@@ -85,13 +74,12 @@ class TimeBudget:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller adds up
-            return
         if self.record:
             Path(self.record).write_text(json.dumps(dict(sorted(self.seconds.items())), indent=1) + "\n")
         if not self.tier or not self.seconds:
             return
-        wrong = self.over_budget(module_budgets(self.tier))
+        tiers = json.loads(BUDGET_FILE.read_text())["tiers"] if BUDGET_FILE.exists() else {}
+        wrong = self.over_budget(tiers.get(self.tier, {}).get("seconds", {}))
         if wrong:
             reporter = session.config.pluginmanager.get_plugin("terminalreporter")
             lines = ["time budget exceeded (tests/time_budget.py says how budgets are made):", *wrong]
@@ -104,12 +92,6 @@ class TimeBudget:
 
 
 TIERS = ("test",)
-
-
-def module_budgets(tier: str) -> dict[str, float]:
-    """Each module's budget in ``tier`` (seconds; empty when there is no budget file)."""
-    tiers = json.loads(BUDGET_FILE.read_text())["tiers"] if BUDGET_FILE.exists() else {}
-    return tiers.get(tier, {}).get("seconds", {})
 
 
 def pytest_configure(config: pytest.Config) -> None:

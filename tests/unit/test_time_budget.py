@@ -21,11 +21,10 @@ def test_a_module_over_its_budget_or_without_one_is_named() -> None:
 def test_time_in_session_fixtures_is_counted_apart_from_the_module_that_started_them() -> None:
     class Report:
         def __init__(self, nodeid: str, duration: float) -> None:
-            self.nodeid, self.duration, self.user_properties = nodeid, duration, []
+            self.nodeid, self.duration = nodeid, duration
 
-    worker, controller = TimeBudget("", None), TimeBudget("", None)   # with pytest-xdist: two processes
-    worker._add_shared(8.0)                  # a shared cluster started in this test's setup
-    for report in (Report("tests/a.py::test_x", 9.5), Report("tests/a.py::test_x", 2.0)):
-        worker.take_shared(report)           # the worker that ran the phase ...
-        controller.pytest_runtest_logreport(report)  # ... and the process that adds up
-    assert controller.seconds == {"tests/a.py": 3.5, SHARED: 8.0}
+    tb = TimeBudget("", None)
+    tb._add_shared(8.0)                      # a shared cluster started in this test's setup
+    tb.pytest_runtest_logreport(Report("tests/a.py::test_x", 9.5))
+    tb.pytest_runtest_logreport(Report("tests/a.py::test_x", 2.0))
+    assert tb.seconds == {"tests/a.py": 3.5, SHARED: 8.0}
