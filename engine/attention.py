@@ -244,7 +244,6 @@ class PagedKVCache:
         return AttentionPlan(self, decodes, prefills, positions)
 
 
-
 def _use_native(backend: str, kv_cache: torch.Tensor) -> bool:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")

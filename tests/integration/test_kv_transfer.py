@@ -475,6 +475,22 @@ def test_closing_a_staged_agent_frees_its_mirror() -> None:
     agent.close()  # idempotent
 
 
+@pytest.mark.parametrize("staging, staged", [("always", True), ("auto", False)])
+def test_a_workers_kv_staging_setting_reaches_its_agent(tiny_model: Path, staging: str, staged: bool) -> None:
+    """``{prefill,decode}.engine.kv_staging`` travels in the engine config to the worker's KV agent
+    (on host memory ``auto`` registers the cache itself)."""
+    from pdserve.engine.config import EngineConfig, EngineMode
+    from pdserve.prefill_worker.worker import PrefillWorker
+
+    worker = PrefillWorker(f"staging-{staging}", EngineConfig(
+        model_dir=str(tiny_model), kv_cache_memory_gb=0.01, num_threads=1, dtype="float32",
+        mode=EngineMode.PREFILL, kv_staging=staging))
+    try:
+        assert worker.agent.region.staged is staged, worker.agent.region.describe()
+    finally:
+        worker.shutdown()
+
+
 def test_the_gpu_check_rehearses_on_host_memory(tmp_path: Path) -> None:
     """scripts/gpu_check_nixl.py, run where there is no GPU: the same pushes (direct, one
     descriptor per block, staged) between two processes, on host memory, landing byte-exact."""
